@@ -68,3 +68,18 @@ class ReferenceSession:
             layer.keys = rotate_complex(layer.keys, delta, self.inv_freq, self.layout).to(layer.keys.dtype)
         self.positions = list(range(r))
         self.next_pos = r
+
+    def replay(self, history: list[dict]) -> torch.Tensor | None:
+        """Replay an engine op history (evict ≡ drop, renumber ≡ reposition); returns the last append's logits."""
+        logits = None
+        for op in history:
+            kind = op["op"]
+            if kind == "append":
+                logits = self.append(op["tokens"])
+            elif kind in ("drop", "evict"):
+                self.drop(op["indices"])
+            elif kind in ("reposition", "renumber"):
+                self.reposition()
+            else:
+                raise ValueError(f"unknown op {kind!r} in history")
+        return logits

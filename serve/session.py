@@ -121,12 +121,11 @@ class Session:
             self.n_messages += 1
             if kind == "tool":
                 self.tool_steps.append(self.current_step)
-        self.history.append({"op": "append", "step": self.current_step, "kind": kind, "tokens": tokens})
         out = []
         for start in range(0, len(tokens), self.config.chunk):
             chunk = tokens[start : start + self.config.chunk]
             keep = len(chunk) if logits == "all" else 1
-            out.append(self._forward(chunk, kind == "tool", keep))
+            out.append(self._forward(chunk, kind, keep))
         if logits == "all":
             return torch.cat(out, dim=0)
         return None if logits is None else self.last_logits
@@ -140,8 +139,7 @@ class Session:
         for _ in range(max_new_tokens):
             tok = int(torch.argmax(self.last_logits))
             generated.append(tok)
-            self.history.append({"op": "append", "step": self.current_step, "kind": kind, "tokens": [tok]})
-            self._forward([tok], kind == "tool", 1)
+            self._forward([tok], kind, 1)
             if tok in stop_ids:
                 break
         return generated
@@ -205,12 +203,14 @@ class Session:
         self.next_pos = r
         self.renumbers += 1
 
-    def _forward(self, chunk: list[int], is_tool: bool, keep_logits: int) -> torch.Tensor:
+    def _forward(self, chunk: list[int], kind: str, keep_logits: int) -> torch.Tensor:
+        """One model forward over a chunk; the history gets renumber → append → evict in the order they happen."""
         c = len(chunk)
         limit = self.config.limit
         if limit is not None and self.next_pos + c > limit:
             self._renumber()
             self.history.append({"op": "renumber"})
+        self.history.append({"op": "append", "step": self.current_step, "kind": kind, "tokens": chunk})
         t = self.table
         t.reserve(c)
         positions = torch.arange(self.next_pos, self.next_pos + c, dtype=torch.long, device=t.device)
@@ -234,7 +234,7 @@ class Session:
                 new_win = ctx.scores[n_old:]
         logical = torch.arange(self.n_logical, self.n_logical + c, dtype=torch.long)
         t.commit(c, logical=logical, token=torch.tensor(chunk), position=positions, step=self.current_step,
-                 is_tool=is_tool, cumulative=new_cum, window=new_win, ref_pos=positions)
+                 is_tool=kind == "tool", cumulative=new_cum, window=new_win, ref_pos=positions)
         self.tokens.extend(chunk)
         self.status.extend(bytes(c))
         self.next_pos += c
