@@ -1,8 +1,140 @@
-"""`steward engine ...` and `steward bench ...`."""
+"""`steward engine ...` and `steward bench ...`: exactness checks, the engine demo, speed benchmarks.
+
+JSON results go alone to stdout; progress and tables go to stderr.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+
+import torch
 import typer
+from rich.console import Console
 
 engine_app = typer.Typer(no_args_is_help=True)
 bench_app = typer.Typer(no_args_is_help=True)
+console = Console(stderr=True)
+
+MODEL_HELP = "`smollm2` (embedded), a local HF folder, or a hub id"
+
+
+def _engine(model: str, dtype: str = "float32"):
+    from kvsteward.serve.engine import Engine
+
+    with console.status(f"loading {model} ..."):
+        return Engine.load(model, dtype=getattr(torch, dtype))
+
+
+def _emit(result, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+    else:
+        console.print_json(json.dumps(result))
+
+
+def _progress(msg: str) -> None:
+    console.log(msg)
+
+
+@engine_app.command()
+def check(model: str = typer.Option("smollm2", help=MODEL_HELP),
+          budget: int = typer.Option(512, help="B for the budget run"),
+          chunk: int = typer.Option(256, help="H for the budget run"),
+          budget_tokens: int = typer.Option(8192, help="length of the budget run"),
+          as_json: bool = typer.Option(False, "--json", help="print one JSON object")) -> None:
+    """Exactness report: generate() equivalence, re-rotation errors per RoPE type/layout, 500-renumber drift,
+    drop / reposition vs the reference replay, and the resident-slot bound of a budgeted session."""
+    from kvsteward.kernels.check import bf16_rerotation_error, renumber_drift, rerotation_errors
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    t0 = time.perf_counter()
+    prompt = checks._tokens(48, eng.vocab_size, 0)
+    if eng.tokenizer is not None:
+        prompt = eng.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    result = {"model": model, "generate_equivalence": checks.generate_equivalence(eng, prompt)}
+    _progress(f"generate equivalence: {result['generate_equivalence']}")
+    result["rerotation_max_abs_err"] = rerotation_errors(eng.model.config)
+    result["rerotation_bf16_max_ulp"] = bf16_rerotation_error(eng.model.config)
+    drift = renumber_drift(eng.model.config, steps=500)
+    result["renumber_500_max_abs_err"] = drift["reference_max_abs_err"]
+    result["renumber_500_chained_max_abs_err"] = drift["chained_max_abs_err"]
+    result["renumber_single_max_abs_err"] = drift["single_renumber_max_abs_err"]
+    _progress("re-rotation errors done")
+    result["op_max_abs_logit_err"] = checks.op_logit_errors(eng)
+    _progress(f"drop / reposition vs reference: {result['op_max_abs_logit_err']}")
+    result.update(checks.budget_run(eng, budget_tokens, budget, chunk, progress=_progress))
+    result["wall_s"] = time.perf_counter() - t0
+    _emit(result, as_json)
+
+
+@bench_app.command()
+def rerotate(model: str = typer.Option("smollm2", help=MODEL_HELP),
+             sizes: str = typer.Option("512,2048,8192", help="comma-separated r values"),
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """Reposition r resident tokens vs re-prefill the same r tokens (same run); prints one row per r."""
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    rows = checks.bench_rerotate(eng, tuple(int(x) for x in sizes.split(",")), progress=_progress)
+    _emit(rows, as_json)
+
+
+@bench_app.command()
+def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
+             tokens: int = typer.Option(32768, help="session length"),
+             budget: int = typer.Option(512), chunk: int = typer.Option(512), limit: int = typer.Option(2048),
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """Wall time of `pace` over `h2o` on the same session (target ratio ≤ 1.05)."""
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
+
+
+@engine_app.command()
+def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
+         length: int = typer.Option(16384, help="session length in tokens"),
+         distance: int = typer.Option(15000, help="tokens between the definitions and the probes"),
+         budget: int = typer.Option(512), chunk: int = typer.Option(512), limit: int = typer.Option(2048),
+         arms: str = typer.Option("h2o,pace"), seed: int = typer.Option(7)) -> None:
+    """A long session with early definitions and late probes, played under each arm: resident slots, positions,
+    and whether the early definition is still recalled."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from kvsteward.eval.longsession import RunConfig, play
+    from kvsteward.synth.longsession import generate_session
+
+    eng = _engine(model)
+    sess = generate_session(eng.tokenizer, seed, length, distance)
+    n_tokens = sess.layout.n_tokens
+    console.print(f"session: {n_tokens} tokens, {len(sess.messages)} messages; definitions at tokens "
+                  f"{sess.layout.definition_spans}; probes {distance} tokens later; B={budget} H={chunk} L={limit}")
+    cfg = RunConfig(arms=tuple(arms.split(",")), budget=budget, chunk=chunk, limit=limit, code=False)
+    table = Table(title="kvsteward engine demo")
+    for col in ("arm", "tokens seen", "resident slots (peak)", "max position", "residency of needed defs",
+                "rotary gap", "forced-prefix answers"):
+        table.add_column(col)
+    for arm in cfg.arms:
+        with Progress(TextColumn(f"[bold]{arm:>14}"), BarColumn(), TextColumn("{task.completed}/{task.total} tok"),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task(arm, total=n_tokens, info="")
+
+            def tick(s, task=task, bar=bar):
+                pos = s.resident_positions()
+                bar.update(task, completed=s.n_logical,
+                           info=f"resident {s.resident}, max pos {int(pos.max()) if pos.numel() else 0}")
+
+            t0 = time.perf_counter()
+            rows, peak = play(eng, sess, arm, cfg, on_message=tick)
+            wall = time.perf_counter() - t0
+        facts = [r for r in rows if r.kind == "fact"]
+        answers = "; ".join(f"{r.probe}={'✓' if r.score else '✗'} ({r.extra['generated'].strip()[:14]!r})"
+                            for r in facts)
+        table.add_row(arm, str(n_tokens), str(peak), str(max(r.max_position for r in rows)),
+                      f"{sum(r.residency for r in facts) / len(facts):.2f}",
+                      f"{sum(r.rotary_gap for r in facts) / len(facts):.0f}", answers)
+        console.log(f"{arm}: {wall:.0f}s")
+    console.print(table)

@@ -1,7 +1,72 @@
-"""`steward eval ...`."""
+"""`steward eval ...`: the long-session benchmark (and, later, the learned-manager metrics)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
+from rich.console import Console
 
 app = typer.Typer(no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
+
+
+@app.command()
+def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
+                arms: str = typer.Option("h2o,retention-only,positions-only,pace",
+                                         help="comma-separated arms: full, streaming, h2o, snapkv, tova, "
+                                              "positions-only, retention-only, pace, akv-rolling"),
+                length: int = typer.Option(16384, help="session length in tokens (context before the probes)"),
+                distances: str = typer.Option("1024,8192,15000", help="definition → probe distances in tokens"),
+                budget: int = typer.Option(512, help="B: resident slots after each chunk"),
+                chunk: int = typer.Option(512, help="H: prefill chunk"),
+                limit: int = typer.Option(2048, help="L: position limit of the bounded arms"),
+                sessions: int = typer.Option(5, help="sessions (seeds) per distance"),
+                seed: int = typer.Option(7),
+                sessions_file: Path | None = typer.Option(None, help="score the sessions in this JSONL file instead "
+                                                                      "(schema: docs/sessions-schema.md)"),
+                code: bool = typer.Option(True, help="run the code probes (slow; near zero on a 135M model)"),
+                out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
+                mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
+                as_json: bool = typer.Option(False, "--json", help="print the result JSON on stdout")) -> None:
+    """Residency vs retrievability: every arm on exactly the same sessions, paired against h2o."""
+    from kvsteward.eval.longsession import RunConfig, run
+    from kvsteward.eval.report import log_to_mlflow, write_report
+    from kvsteward.serve.engine import Engine
+    from kvsteward.serve.policies import ARMS
+    from kvsteward.synth.longsession import generate_sessions
+    from kvsteward.synth.longsession_schema import read_jsonl, write_jsonl
+
+    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
+    unknown = [a for a in arm_list if a not in ARMS]
+    if unknown:
+        raise typer.BadParameter(f"unknown arms {unknown}; known: {sorted(ARMS)}")
+    with console.status(f"loading {model} ..."):
+        engine = Engine.load(model)
+    if sessions_file is not None:
+        sess = read_jsonl(sessions_file, engine.tokenizer)
+    else:
+        sess = generate_sessions(engine.tokenizer, sessions, length, _ints(distances), seed, progress=True)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(sess, out / "sessions.jsonl")
+    cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code)
+    result = run(engine, sess, cfg, progress=console.log)
+    result["model"] = model
+    paths = write_report(result, out)
+    console.print(paths["markdown"].read_text())
+    if mlflow_log:
+        params = {"model": model, "arms": arms, "length": length, "distances": distances, "budget": budget,
+                  "chunk": chunk, "limit": limit, "sessions": len(sess), "seed": seed,
+                  "sessions_file": str(sessions_file or "")}
+        result["mlflow_run_id"] = log_to_mlflow(result, out, params)
+    if as_json:
+        print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items() if k != "probes"}
+                         | {"mlflow_run_id": result.get("mlflow_run_id")}))

@@ -2,7 +2,255 @@
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 synth_app = typer.Typer(no_args_is_help=True)
 plan_app = typer.Typer(no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[red]error:[/red] {msg}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@synth_app.command()
+def traces(
+    tasks: int = typer.Option(50, help="number of tasks (one correct trace each)"),
+    seed: int = typer.Option(0, help="world and task seed (same seed → identical traces)"),
+    out: Path = typer.Option(..., help="output folder (traces.jsonl + meta.json)"),
+    min_hops: int = typer.Option(2, help="fewest documents a task needs"),
+    max_hops: int = typer.Option(6, help="most documents a task needs"),
+    page_words: int = typer.Option(160, help="words per page of an opened document"),
+    doc_words: int = typer.Option(240, help="typical document length in words (longer → more pages, tokens)"),
+    detour_rate: float = typer.Option(0.35, help="chance of an exploratory detour per hop"),
+    compare_rate: float = typer.Option(0.3, help="share of two-branch comparison tasks (even hop counts)"),
+    recap_rate: float = typer.Option(0.5, help="share of final answers that restate every fact found"),
+    world_size: int = typer.Option(2000, help="documents per split world"),
+    top_k: int = typer.Option(5, help="search results per query"),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
+) -> None:
+    """Generate correct multi-hop ReAct traces with exact provenance (one world per split)."""
+    from kvsteward.synth.generate import generate_traces, generation_meta
+    from kvsteward.synth.solver import TraceConfig
+    from kvsteward.synth.trace import write_traces
+
+    cfg = TraceConfig(min_hops=min_hops, max_hops=max_hops, page_words=page_words, doc_words=doc_words,
+                      detour_rate=detour_rate, top_k=top_k, compare_rate=compare_rate, recap_rate=recap_rate,
+                      world_size=world_size)
+    t0 = time.perf_counter()
+    try:
+        with _progress() as p:
+            job = p.add_task("solving tasks", total=tasks)
+            result = generate_traces(tasks, seed, cfg, progress=lambda n: p.update(job, completed=n))
+    except ValueError as e:
+        _fail(str(e))
+    path = write_traces(out, result, generation_meta(tasks, seed, cfg))
+    summary = {"traces": len(result), "path": str(path), "wall_s": round(time.perf_counter() - t0, 2),
+               "splits": {s: sum(t.split == s for t in result) for s in ("train", "validation", "test")},
+               "mean_messages": sum(len(t.messages) for t in result) / len(result),
+               "mean_cursors": sum(len(t.cursors()) for t in result) / len(result)}
+    print(json.dumps(summary) if as_json else f"wrote {len(result)} traces to {path}")
+
+
+@synth_app.command()
+def hindsight(
+    traces_dir: Path = typer.Argument(..., help="folder (or traces.jsonl) from `steward synth traces` / import"),
+    out: Path = typer.Option(..., help="output folder for the DatasetDict (save_to_disk) and its card"),
+    every: int = typer.Option(4, help="an auxiliary example every K tool responses"),
+    model: str = typer.Option("smollm2", help="tokenizer / chat template: smollm2, a local folder, or a hub id"),
+    max_tokens: int = typer.Option(4096, help="row length cap (main rows left-truncated, aux rows skipped)"),
+    mask_prob: float = typer.Option(0.5, help="chance each expired cursor is pre-masked (already deleted)"),
+    plan: bool = typer.Option(True, help="also emit `Planning mode` rows"),
+    seed: int = typer.Option(0, help="seed of the pre-masking draw"),
+    as_json: bool = typer.Option(False, "--json", help="print the card statistics as JSON"),
+) -> None:
+    """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows) with a card."""
+    from kvsteward.models import load_tokenizer
+    from kvsteward.synth import dataset as dsm
+    from kvsteward.synth.trace import read_traces
+
+    cfg = dsm.HindsightConfig(every=every, mask_prob=mask_prob, max_tokens=max_tokens, plan=plan, seed=seed,
+                              model=model)
+    try:
+        cfg.validate()
+        trs = read_traces(traces_dir)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    tok = load_tokenizer(model)
+    with _progress() as p:
+        job = p.add_task("annotating traces", total=len(trs))
+        dd, skipped, lengths = dsm.build_dataset(trs, tok, cfg, progress=lambda n: p.update(job, completed=n))
+    src = traces_dir if traces_dir.is_dir() else traces_dir.parent
+    c = dsm.card(trs, dd, skipped, cfg, str(src.resolve()), lengths)
+    dsm.save(dd, out, c)
+    logged = dsm.log_to_mlflow(dd, name=out.name)
+    if as_json:
+        print(json.dumps({**c, "mlflow_logged": logged}))
+    else:
+        print(f"wrote {sum(len(dd[s]) for s in dd)} rows to {out}" + (" (logged to MLflow)" if logged else ""))
+
+
+@synth_app.command()
+def stats(
+    ds: Path = typer.Argument(..., help="dataset folder from `steward synth hindsight`"),
+    traces_dir: Path = typer.Option(None, "--traces", help="raw traces (default: the card's source)"),
+    check_tokens: bool = typer.Option(True, help="also decode aux labels and check they spell the target"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Counts, lengths and an independent re-check of the deletion labels against the raw traces."""
+    from kvsteward.synth.stats import dataset_stats
+
+    try:
+        s = dataset_stats(ds, traces_dir, check_tokens=check_tokens)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(s))
+    else:
+        for k, v in s.items():
+            print(f"{k}: {v}")
+
+
+def _make_planner(planner: str, model: str, endpoint: str | None, endpoint_model: str | None, max_new_tokens: int,
+                  max_cursors: int, cursor_chars: int):
+    """(name, LLMPlanner | None, reads function). `planner` is llm | lexical | next-step."""
+    from kvsteward.synth import planner as pl
+
+    if planner == "lexical":
+        return "lexical", None, pl.lexical_reads
+    if planner == "next-step":
+        return "next_step", None, pl.next_step_reads
+    if planner != "llm":
+        _fail(f"unknown planner {planner!r}: use llm, lexical or next-step")
+    if endpoint:
+        complete = pl.endpoint_completer(endpoint, endpoint_model or model, max_new_tokens)
+        name = f"llm:{endpoint_model or model}@endpoint"
+    else:
+        with console.status(f"loading {model} ..."):
+            complete = pl.local_completer(model, max_new_tokens)
+        name = f"llm:{model}"
+    llm = pl.LLMPlanner(complete, name=name, max_cursors=max_cursors, cursor_chars=cursor_chars)
+    return name, llm, lambda t: llm.reads(t)[0]
+
+
+@synth_app.command("import")
+def import_(
+    file: Path = typer.Argument(..., help="OpenAI-style JSONL: one session per line ({'messages': [...]} or a list)"),
+    out: Path = typer.Option(..., help="output traces folder (same format as `steward synth traces`)"),
+    planner: str = typer.Option("llm", help="who labels the dependencies: llm | lexical | next-step"),
+    model: str = typer.Option("smollm2", help="local model for --planner llm (or the endpoint's model name)"),
+    endpoint: str = typer.Option(None, help="OpenAI-compatible base URL for the llm planner instead of a local model"),
+    endpoint_model: str = typer.Option(None, help="model name to request from --endpoint (default: --model)"),
+    next_step_prior: bool = typer.Option(True, help="also mark each step as reading the tool response right before"),
+    max_new_tokens: int = typer.Option(6, help="reply length of the llm planner"),
+    max_cursors: int = typer.Option(6, help="llm planner sees at most this many most recent cursors per step"),
+    cursor_chars: int = typer.Option(120, help="characters of each cursor shown to the llm planner"),
+) -> None:
+    """Import user traces and label their dependencies with a planner (label source recorded per trace)."""
+    from kvsteward.synth.importer import label_traces, read_openai_jsonl
+    from kvsteward.synth.trace import write_traces
+
+    try:
+        raw = read_openai_jsonl(file)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    name, _, fn = _make_planner(planner, model, endpoint, endpoint_model, max_new_tokens, max_cursors, cursor_chars)
+    with _progress() as p:
+        job = p.add_task(f"labelling with {name}", total=len(raw))
+        labelled = label_traces(raw, fn, name, next_step_prior, on_trace=lambda: p.advance(job))
+    path = write_traces(out, labelled, {"imported_from": str(file.resolve()), "planner": name,
+                                        "next_step_prior": next_step_prior, "label_source": labelled[0].label_source
+                                        if labelled else None})
+    print(f"imported {len(labelled)} traces to {path} (labels: {labelled[0].label_source if labelled else '-'})")
+
+
+@synth_app.command()
+def export(
+    traces_dir: Path = typer.Argument(..., help="traces folder"),
+    out: Path = typer.Option(..., help="OpenAI-style JSONL to write (tool_calls + tool responses)"),
+) -> None:
+    """Write traces as OpenAI-style message JSONL (the format `steward synth import` reads)."""
+    from kvsteward.synth.importer import write_openai_jsonl
+    from kvsteward.synth.trace import read_traces
+
+    try:
+        trs = read_traces(traces_dir)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    print(f"wrote {len(trs)} sessions to {write_openai_jsonl(trs, out)}")
+
+
+@plan_app.command()
+def extract(
+    sessions: Path = typer.Option(..., help="traces folder with oracle reads (from `steward synth traces`)"),
+    model: str = typer.Option("smollm2", help="local planner model (or the endpoint's model name)"),
+    endpoint: str = typer.Option(None, help="OpenAI-compatible base URL instead of a local model"),
+    endpoint_model: str = typer.Option(None, help="model name to request from --endpoint (default: --model)"),
+    limit: int = typer.Option(5, help="score the first N sessions (the LLM planner is slow on CPU)"),
+    every: int = typer.Option(4, help="boundary interval for the deletion-label quality"),
+    max_new_tokens: int = typer.Option(6, help="reply length per step"),
+    max_cursors: int = typer.Option(6, help="most recent cursors shown per step"),
+    cursor_chars: int = typer.Option(120, help="characters shown per cursor"),
+    blueprints_out: Path = typer.Option(None, help="write the LLM planner's blueprints (engine format) as JSONL"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """LLM planner vs the oracle: edge recall / precision, deletion-label quality; lexical and next-step baselines."""
+    from kvsteward.synth import planner as pl
+    from kvsteward.synth.trace import read_traces
+
+    try:
+        trs = read_traces(sessions)[:limit]
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    if not trs or any(t.label_source != "oracle" for t in trs):
+        _fail(f"{sessions} holds no oracle-labelled sessions to score against")
+    name, llm, _ = _make_planner("llm", model, endpoint, endpoint_model, max_new_tokens, max_cursors, cursor_chars)
+    t0 = time.perf_counter()
+    predicted, failures = [], 0
+    with _progress() as p:
+        job = p.add_task("sessions", total=len(trs))
+        for t in trs:
+            steps = p.add_task(f"  {t.task_id}", total=len(pl.reader_steps(t)))
+            reads, fail = llm.reads(t, on_step=lambda s=steps: p.advance(s))
+            p.remove_task(steps)
+            predicted.append(reads)
+            failures += fail
+            p.advance(job)
+    wall = time.perf_counter() - t0
+    result = {**pl.score(trs, predicted, every), "n_sessions": len(trs), "planner": name,
+              "steps": sum(len(pl.reader_steps(t)) for t in trs), "parse_failures": failures, "wall_s": round(wall, 1),
+              "with_next_step_prior": pl.score(trs, [pl.union(p, pl.next_step_reads(t)) for t, p in
+                                                     zip(trs, predicted, strict=True)], every),
+              "baselines": {"lexical": pl.score(trs, [pl.lexical_reads(t) for t in trs], every),
+                            "next_step": pl.score(trs, [pl.next_step_reads(t) for t in trs], every)}}
+    if blueprints_out:
+        _write_blueprints(blueprints_out, trs, predicted, model if not endpoint else "smollm2")
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+
+
+def _write_blueprints(path: Path, trs, predicted, tokenizer_name: str) -> None:
+    from kvsteward.models import load_tokenizer
+    from kvsteward.synth.blueprint import blueprint_from_reads
+    from kvsteward.synth.tokens import PieceTokenizer, offsets
+
+    ptok = PieceTokenizer(load_tokenizer(tokenizer_name))
+    with open(path, "w") as f:
+        for t, reads in zip(trs, predicted, strict=True):
+            bp = blueprint_from_reads(reads, t.cursors(), offsets(ptok.pieces(t.messages)))
+            f.write(json.dumps({"task_id": t.task_id, "blueprint": bp}) + "\n")

@@ -2,6 +2,62 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+from pathlib import Path
+
 import typer
+from rich.console import Console
 
 app = typer.Typer(no_args_is_help=True)
+console = Console(stderr=True)
+
+
+@app.command()
+def lora(
+    data: Path = typer.Option(..., help="hindsight DatasetDict folder (`steward synth hindsight` output)"),
+    out: Path = typer.Option(..., help="run folder: checkpoints/, adapter/, mlflow_run.json"),
+    model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
+    max_steps: int = typer.Option(100, help="optimizer steps in total (a resumed run continues up to this)"),
+    lr: float = typer.Option(2e-4, help="learning rate (cosine schedule)"),
+    rank: int = typer.Option(16, help="LoRA rank"),
+    alpha: int = typer.Option(32, help="LoRA alpha"),
+    lambda_kl: float = typer.Option(1.0, help="weight of KL(student ‖ base) on main traces"),
+    batch_size: int = typer.Option(2, help="micro-batch size per device"),
+    grad_accum: int = typer.Option(1, help="gradient-accumulation steps"),
+    max_len: int = typer.Option(1024, help="rows longer than this are dropped (not truncated)"),
+    deepspeed: str = typer.Option("none", help="none | zero2 | zero3 (launch with torchrun for several ranks)"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint in OUT"),
+    save_steps: int = typer.Option(50, help="checkpoint every N steps"),
+    seed: int = typer.Option(0, help="seed for LoRA init, data order, dropout"),
+    tile_rows: int = typer.Option(1024, help="LM-head rows per tile in the loss (memory bound for big vocabularies)"),
+    bf16: bool = typer.Option(False, help="bf16 mixed precision (GPUs)"),
+    track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
+    as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
+) -> None:
+    """Train the memory-manager LoRA: CE on deletion/plan JSON targets + λ·KL to the base model on main traces."""
+    from kvsteward.train.data import DataError
+    from kvsteward.train.lora import LoraRunConfig, QuantizedModelError, is_main_process, train_lora
+
+    cfg = LoraRunConfig(data=str(data), out=str(out), model=model, max_steps=max_steps, lr=lr, rank=rank, alpha=alpha,
+                        lambda_kl=lambda_kl, batch_size=batch_size, grad_accum=grad_accum, max_len=max_len,
+                        deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
+                        bf16=bf16, mlflow=track)
+    try:
+        # Libraries print to stdout (warnings, log dicts); stdout carries only the result.
+        with contextlib.redirect_stdout(sys.stderr):
+            result = train_lora(cfg, log=lambda m: console.print(f"[yellow]{m}"))
+    except (DataError, QuantizedModelError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from e
+    if not is_main_process():
+        return
+    payload = {"mlflow_run_id": result.mlflow_run_id, "adapter_dir": result.adapter_dir,
+               "final_ce_aux": result.final_ce_aux, "final_kl_main": result.final_kl_main, "steps": result.steps,
+               "seconds_per_step": result.seconds_per_step}
+    if as_json:
+        print(json.dumps(payload))
+    else:
+        for k, v in payload.items():
+            print(f"{k}: {v}")

@@ -35,6 +35,10 @@ class PlannedSpan:
         return min(upcoming) if upcoming else None
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def parse_blueprint(data) -> list[PlannedSpan]:
     """Validate a blueprint (JSON text, or the decoded list) into PlannedSpans."""
     if isinstance(data, (str, bytes)):
@@ -49,15 +53,13 @@ def parse_blueprint(data) -> list[PlannedSpan]:
         if not isinstance(entry, dict) or set(entry) - {"span", "readers"} or "span" not in entry:
             raise BlueprintError(f"blueprint[{i}] must be an object with keys 'span' and 'readers', got {entry!r}")
         span, readers = entry["span"], entry.get("readers", [])
-        if (not isinstance(span, (list, tuple)) or len(span) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+        if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(_is_int(x) for x in span):
             raise BlueprintError(f"blueprint[{i}].span must be [start_token, end_token] integers, got {span!r}")
         start, end = span
         if start < 0 or end <= start:
             raise BlueprintError(f"blueprint[{i}].span [{start}, {end}) is empty or negative")
-        if not isinstance(readers, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                      for s in readers):
-            raise BlueprintError(f"blueprint[{i}].readers must be a list of non-negative step integers, got {readers!r}")
+        if not isinstance(readers, list) or not all(_is_int(s) and s >= 0 for s in readers):
+            raise BlueprintError(f"blueprint[{i}].readers must be a list of non-negative step ints, got {readers!r}")
         spans.append(PlannedSpan(start, end, tuple(sorted(set(readers)))))
     return spans
 

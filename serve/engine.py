@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.policies import ARMS, get_policy
+from kvsteward.serve.policies import ARMS, POLICIES, get_policy
 from kvsteward.serve.session import Session, SessionConfig
 
 
@@ -23,6 +23,8 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.rope = rope_spec(cfg)  # raises UnsupportedRope for types a static re-rotation cannot make exact
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
     @classmethod
     def load(cls, model: str, dtype: torch.dtype = torch.float32) -> Engine:
@@ -33,19 +35,22 @@ class Engine:
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:
-        """A new session. `policy` is a policy name or a named arm (h2o, positions-only, retention-only, pace);
-        arms with bounded positions need `limit`."""
-        if policy in ARMS and policy not in ("full",):
+        """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
+        (positions-only, retention-only, pace: the arm fixes the position mode; bounded arms need `limit`)."""
+        name = policy
+        if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]
             if bounded and limit is None:
                 raise ValueError(f"arm {policy!r} uses bounded positions: give limit L")
-            if not bounded:
-                limit = None
-        else:
-            name = policy
+            if not bounded and limit is not None:
+                raise ValueError(f"arm {policy!r} has unbounded positions: do not give a limit")
         pol = get_policy(name, **policy_overrides)
-        spans = blueprint if isinstance(blueprint, list) and all(isinstance(s, PlannedSpan) for s in blueprint) \
-            else parse_blueprint(blueprint) if blueprint is not None else []
+        if blueprint is None:
+            spans = []
+        elif isinstance(blueprint, list) and all(isinstance(s, PlannedSpan) for s in blueprint):
+            spans = blueprint
+        else:
+            spans = parse_blueprint(blueprint)
         cfg = SessionConfig(policy=pol, budget=budget if pol.evicts else None, chunk=chunk, limit=limit,
                             blueprint=spans)
         return Session(self, cfg)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
-from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
+from kvsteward.serve.blueprint import PlannedSpan
 from kvsteward.serve.policies import Policy, SlotView, select_keep
 from kvsteward.serve.slots import SlotTable
 
@@ -50,8 +50,9 @@ class SessionConfig:
             if not self.policy.evicts or self.budget is None:
                 raise CacheOpError("bounded positions need an evicting policy with a budget (resident must stay < L)")
             if self.limit <= self.budget + self.chunk:
-                raise CacheOpError(f"limit L={self.limit} must exceed budget + chunk = {self.budget} + {self.chunk} "
-                                   f"= {self.budget + self.chunk}: renumbered residents plus one chunk must fit below L")
+                raise CacheOpError(f"limit L={self.limit} must exceed budget + chunk = {self.budget} + "
+                                   f"{self.chunk} = {self.budget + self.chunk}: renumbered residents plus one chunk "
+                                   "must fit below L")
 
 
 class _EngineCache:
@@ -190,15 +191,16 @@ class Session:
         return sorted(idx)
 
     def _renumber(self) -> None:
-        from kvsteward.kernels.rope import rerotate
+        from kvsteward.kernels.rope import rerotate, rotation_cos_sin
 
         t = self.table
         t.ensure_reference()
         r = t.n
         new_pos = torch.arange(r, dtype=torch.long, device=t.device)
         delta = new_pos - t.field("ref_pos")
+        cos_sin = rotation_cos_sin(delta, self.engine.rope)  # float64 angles once, shared by every layer
         for layer in range(t.n_layers):
-            t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, self.engine.rope, t.dtype)
+            t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, self.engine.rope, t.dtype, cos_sin=cos_sin)
         t.meta["position"][:r] = new_pos
         self.next_pos = r
         self.renumbers += 1

@@ -1,0 +1,195 @@
+"""The long-session benchmark runner: play the same sessions through every arm, score the probes, keep the ledger.
+
+Per session and arm: append each context message (one step each), then play the probes in order. A probe appends
+its question, opens the assistant answer with the answer prefix, and
+- fact: greedy-decodes on a fork (forced-prefix match) and teacher-forces the gold value on the main thread (gold
+  NLL), so later probes see the same text whatever an arm generated;
+- recall / code: greedy-decodes on a fork and scores the text; the main thread gets the generated answer.
+The ledger is read when the answer opens: residency of the tokens the probe needs, their mean rotary gap to the
+query position, resident slots and KV bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsteward.eval import scoring
+from kvsteward.serve.engine import Engine
+from kvsteward.serve.policies import ARMS
+from kvsteward.serve.session import Session as EngineSession
+from kvsteward.synth.chat import generation_prompt, message_token_ids
+from kvsteward.synth.longsession_schema import Session
+
+DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
+
+
+@dataclass
+class RunConfig:
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    budget: int = 512
+    chunk: int = 512
+    limit: int = 2048
+    reference: str = "h2o"
+    max_fact_tokens: int = 16
+    max_recall_tokens: int = 96
+    max_code_tokens: int = 160
+    code: bool = True
+    code_timeout: float = 10.0
+
+
+@dataclass
+class ProbeRow:
+    session: str
+    distance: int
+    arm: str
+    probe: str
+    kind: str
+    score: float  # forced match (fact), recall fraction (recall), pass (code)
+    nll: float = float("nan")
+    residency: float = float("nan")
+    rotary_gap: float = float("nan")
+    resident: int = 0
+    kv_bytes: int = 0
+    max_position: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _open_session(engine: Engine, arm: str, cfg: RunConfig, sess: Session) -> EngineSession:
+    policy, bounded = ARMS[arm]
+    budget = None if policy == "full" else cfg.budget
+    return engine.session(arm, budget=budget, chunk=cfg.chunk, limit=cfg.limit if bounded else None,
+                          blueprint=sess.layout.blueprint)
+
+
+def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
+    wanted = torch.tensor(sorted({i for a, b in needed for i in range(a, b)}), dtype=torch.long)
+    logical, positions = s.resident_logical(), s.resident_positions()
+    hit = torch.isin(logical, wanted)
+    return {"residency": scoring.residency(set(wanted.tolist()), set(logical[hit].tolist())),
+            "rotary_gap": scoring.rotary_gap(s.next_pos, positions[hit].tolist()),
+            "resident": s.resident, "kv_bytes": s.table.kv_bytes(),
+            "max_position": int(positions.max()) if positions.numel() else 0}
+
+
+def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
+         on_message: Callable[[EngineSession], None] | None = None) -> tuple[list[ProbeRow], int]:
+    """One session through one arm; returns a row per probe and the session's peak resident slots.
+    `on_message` is called after every context message (progress bars)."""
+    tok = engine.tokenizer
+    messages = [m.model_dump() for m in sess.messages]
+    s = _open_session(engine, arm, cfg, sess)
+    for msg, ids in zip(messages, message_token_ids(tok, messages), strict=True):
+        s.append(ids, kind=msg["role"], logits=None)
+        if on_message:
+            on_message(s)
+    end_ids = tok.encode("<|im_end|>\n", add_special_tokens=False) if "<|im_end|>" in tok.get_vocab() else []
+    rows = []
+    for probe in sess.probes:
+        pm = [m.model_dump() for m in probe.messages]
+        history = messages + pm
+        for ids in message_token_ids(tok, history)[len(messages):]:
+            s.append(ids, kind="user", logits=None)
+        opener = tok.encode(generation_prompt(tok, history) + probe.answer_prefix, add_special_tokens=False)
+        s.append(opener, kind="assistant")
+        row = ProbeRow(sess.id, sess.distance, arm, probe.id, probe.kind, 0.0,
+                       **_ledger(s, sess.layout.needed_spans[probe.id]))
+        answer_ids = _score_probe(engine, s, probe, row, cfg)
+        s.append(answer_ids + end_ids, kind="assistant", continue_message=True, logits=None)
+        messages = history + [{"role": "assistant", "content": probe.answer_prefix + tok.decode(answer_ids)}]
+        rows.append(row)
+    return rows, s.peak_resident
+
+
+def _score_probe(engine: Engine, s: EngineSession, probe, row: ProbeRow, cfg: RunConfig) -> list[int]:
+    """Score one probe; return the answer tokens the main thread continues with."""
+    tok = engine.tokenizer
+    stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]) if "<|im_end|>" in tok.get_vocab()
+                                  else ())
+    if probe.kind == "fact":
+        gold = tok.encode(probe.gold, add_special_tokens=False)
+        generated = s.fork().generate(max(cfg.max_fact_tokens, len(gold) + 2), stop_ids=stop)
+        row.score = float(scoring.forced_prefix_match(generated, gold, tok))
+        first = s.last_logits[None]
+        rest = s.append(gold, kind="assistant", continue_message=True, logits="all")
+        row.nll = scoring.gold_nll(torch.cat([first, rest[:-1]]), gold)
+        row.extra["generated"] = tok.decode(generated, skip_special_tokens=True)
+        return []  # the gold value is already appended
+    limit = cfg.max_recall_tokens if probe.kind == "recall" else cfg.max_code_tokens
+    if probe.kind == "code" and not cfg.code:
+        row.score = float("nan")
+        return []
+    generated = s.fork().generate(limit, stop_ids=stop)
+    text = tok.decode(generated, skip_special_tokens=True)
+    if probe.kind == "recall":
+        row.score = scoring.recall_score(text, probe.required)
+    else:
+        result = scoring.code_checks(probe.answer_prefix + text, probe.tests, timeout=cfg.code_timeout)
+        row.score = float(result.ok)
+        row.extra["checks"] = [result.passed, result.total]
+    row.extra["generated"] = text
+    return [t for t in generated if t not in stop]
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, int], cfg: RunConfig) -> dict:
+    """The benchmark JSON: per arm and distance, plus paired comparisons against the reference arm."""
+    by = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        by[r.arm][r.distance].append(r)
+    arms = {}
+    for arm in cfg.arms:
+        cells = {}
+        for d, rs in sorted(by[arm].items()):
+            facts = [r for r in rs if r.kind == "fact"]
+            cells[str(d)] = {"forced_acc": _mean([r.score for r in facts]), "gold_nll": _mean([r.nll for r in facts]),
+                             "recall": _mean([r.score for r in rs if r.kind == "recall"]),
+                             "code_acc": _mean([r.score for r in rs if r.kind == "code"]),
+                             "residency": _mean([r.residency for r in facts]),
+                             "rotary_gap": _mean([r.rotary_gap for r in facts]), "n": len(facts)}
+        arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0)}
+    paired = {}
+    if cfg.reference in cfg.arms:
+        ref = {(r.session, r.probe): r.score for r in rows if r.arm == cfg.reference and r.kind == "fact"}
+        for arm in cfg.arms:
+            if arm != cfg.reference:
+                mine = {(r.session, r.probe): r.score for r in rows if r.arm == arm and r.kind == "fact"}
+                paired[arm] = scoring.paired_compare(mine, ref)
+    def record(r: ProbeRow) -> dict:
+        return {"arm": r.arm, "distance": r.distance, "session": r.session, "probe": r.probe, "kind": r.kind,
+                "score": r.score, "nll": r.nll, "residency": r.residency, "rotary_gap": r.rotary_gap,
+                "resident": r.resident, "kv_bytes": r.kv_bytes, "max_position": r.max_position, **r.extra}
+
+    # `probes` (fact probes, with `forced`) feeds the report's rotary-gap plot; the rest are kept for inspection.
+    probes = [record(r) | {"forced": r.score} for r in rows if r.kind == "fact"]
+    other = [record(r) for r in rows if r.kind != "fact"]
+    return {"arms": arms, "paired": paired, "reference": cfg.reference, "probes": probes, "other_probes": other,
+            "config": {k: v for k, v in cfg.__dict__.items()}}
+
+
+def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
+        progress: Callable[[str], None] | None = None) -> dict:
+    rows: list[ProbeRow] = []
+    walls: dict[str, float] = defaultdict(float)
+    peaks: dict[str, int] = defaultdict(int)
+    for i, sess in enumerate(sessions):
+        for arm in cfg.arms:
+            t0 = time.perf_counter()
+            got, peak = play(engine, sess, arm, cfg)
+            walls[arm] += time.perf_counter() - t0
+            peaks[arm] = max(peaks[arm], peak)
+            rows += got
+            if progress:
+                acc = _mean([r.score for r in got if r.kind == "fact"])
+                progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
+                         f"residency={_mean([r.residency for r in got if r.kind == 'fact']):.2f}")
+    return summarize(rows, walls, peaks, cfg)

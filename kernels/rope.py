@@ -1,0 +1,270 @@
+"""Exact RoPE re-rotation: RopeSpec from an HF config, float64 angles, torch reference, direct float64 truth.
+
+A key stored after RoPE at position p is moved to p' as K' = R(p') R(p)^-1 K = R(p' - p) K. The engine always
+rotates from an fp32 *reference* key (never by chaining rotations), and the angles delta * inv_freq are computed in
+float64 and only then cast: in fp32, p * theta loses about p * 6e-8 rad, i.e. ~5e-4 rad at position 8K.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+LAYOUTS = ("split_half", "interleaved")
+BACKENDS = ("auto", "torch", "triton")
+# transformers evaluates inv_freq in float32 (pow, divide, blend): a few float32 ulps from the float64 value.
+_HF_RTOL = 1e-6
+
+# Why each known-but-unsupported type cannot be re-rotated exactly by a static delta rotation.
+_UNSUPPORTED_WHY = {
+    "dynamic": "dynamic NTK scaling recomputes inv_freq from the current sequence length, so the rotation of a "
+               "stored key depends on when it was computed and a static re-rotation by a delta cannot be exact",
+    "longrope": "longrope switches between short and long frequency factors by sequence length, so the rotation "
+                "of a stored key depends on the sequence length at the time it was computed",
+}
+
+
+class UnsupportedRope(ValueError):
+    """The model's RoPE cannot be re-rotated exactly (dynamic / sequence-length dependent, or unknown type)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: a tensor field makes `==` ambiguous; specs compare by identity
+class RopeSpec:
+    inv_freq: torch.Tensor  # float64 [rotary_dim // 2], static scaling of the rope type already applied
+    head_dim: int
+    rotary_dim: int  # == head_dim unless partial rotary; only the first rotary_dim dims are rotated
+    layout: str  # "split_half" (HF rotate_half) or "interleaved" (GPT-J rotate_every_two)
+    rope_type: str
+    attention_scaling: float  # applied by the model to cos/sin; a re-rotation by a delta must not apply it again
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown RoPE layout {self.layout!r}: use one of {LAYOUTS}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
+        if self.inv_freq.dtype != torch.float64 or self.inv_freq.shape != (self.rotary_dim // 2,):
+            raise ValueError(f"inv_freq must be float64 of shape ({self.rotary_dim // 2},), got "
+                             f"{self.inv_freq.dtype} {tuple(self.inv_freq.shape)}")
+
+    @property
+    def half(self) -> int:
+        return self.rotary_dim // 2
+
+
+# ---------------------------------------------------------------------------------------------------- spec from config
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _flat_rope_parameters(config, layer_type: str | None) -> dict:
+    """The (standardized) rope parameter dict of `config`, picking `layer_type` when the config nests them."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        raise UnsupportedRope(f"{type(config).__name__} has no rope_parameters: is this a RoPE model?")
+    config.standardize_rope_params()
+    params = config.rope_parameters
+    nested = config.nested_rope_parameter_keys(params)
+    if nested:
+        if layer_type is None:
+            raise UnsupportedRope(f"rope_parameters are per layer type {nested}: pass layer_type= to rope_spec")
+        return params[layer_type]
+    if layer_type is not None:
+        raise ValueError(f"layer_type={layer_type!r} given but rope_parameters are not nested by layer type")
+    return params
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def _llama3_inv_freq(params: dict, dim: int) -> torch.Tensor:
+    # Same formula as transformers' _compute_llama3_parameters, evaluated in float64.
+    inv_freq = _default_inv_freq(params["rope_theta"], dim)
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(params: dict, dim: int, max_position_embeddings: int) -> torch.Tensor:
+    # Same formula as transformers' _compute_yarn_parameters, evaluated in float64.
+    base = params["rope_theta"]
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original_max
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def _hf_reference(config, rope_type: str, layer_type: str | None) -> tuple[torch.Tensor, float]:
+    """transformers' own (float32 inv_freq, attention_scaling) for a non-default rope type."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=layer_type)
+
+
+def _check_against_hf(inv_freq: torch.Tensor, hf_inv_freq: torch.Tensor, rope_type: str) -> None:
+    hf = hf_inv_freq.detach().cpu().double()
+    if hf.shape != inv_freq.shape or not torch.allclose(inv_freq, hf, rtol=_HF_RTOL, atol=0.0):
+        worst = (inv_freq - hf).abs().div(inv_freq).max().item() if hf.shape == inv_freq.shape else float("nan")
+        raise RuntimeError(f"float64 inv_freq for rope_type {rope_type!r} disagrees with transformers' float32 one "
+                           f"(max rel err {worst:.2e}): did transformers change its formula? update kernels/rope.py")
+
+
+def rope_spec(config, layout: str = "split_half", layer_type: str | None = None) -> RopeSpec:
+    """RopeSpec of an HF PretrainedConfig (`config.rope_parameters`), with inv_freq in float64.
+
+    transformers' init functions hard-code float32 (`dtype=torch.float`), so their inv_freq is off by up to ~6e-8
+    relative, i.e. ~1e-3 rad at position 32K. We therefore evaluate the same formulas in float64 here, take
+    attention_scaling from transformers itself, and check our float64 inv_freq rounds to transformers' float32 one:
+    if transformers ever changes a formula, this raises instead of silently rotating by different frequencies.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown RoPE layout {layout!r}: use one of {LAYOUTS}")
+    config = copy.deepcopy(config)  # HF's helpers standardize (mutate) the config they are given
+    params = _flat_rope_parameters(config, layer_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        why = _UNSUPPORTED_WHY.get(rope_type, "it is not one of the statically verified types")
+        raise UnsupportedRope(f"rope_type {rope_type!r} is not supported for exact re-rotation: {why} "
+                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    head_dim = _head_dim(config)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise UnsupportedRope(f"rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
+    if rope_type == "default":
+        # "default" is not in ROPE_INIT_FUNCTIONS (each model class carries its own copy of the same formula, with
+        # attention_scaling 1.0); tests anchor it to LlamaRotaryEmbedding and GPTNeoXRotaryEmbedding (partial rotary).
+        return RopeSpec(inv_freq=_default_inv_freq(params["rope_theta"], rotary_dim), head_dim=head_dim,
+                        rotary_dim=rotary_dim, layout=layout, rope_type=rope_type, attention_scaling=1.0)
+    if rope_type == "linear":
+        inv_freq = _default_inv_freq(params["rope_theta"], rotary_dim) / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(params, rotary_dim)
+    else:
+        inv_freq = _yarn_inv_freq(params, rotary_dim, config.max_position_embeddings)
+    hf_inv_freq, attention_scaling = _hf_reference(config, rope_type, layer_type)
+    _check_against_hf(inv_freq, hf_inv_freq, rope_type)
+    return RopeSpec(inv_freq=inv_freq, head_dim=head_dim, rotary_dim=rotary_dim, layout=layout,
+                    rope_type=rope_type, attention_scaling=float(attention_scaling))
+
+
+# ---------------------------------------------------------------------------------------------------------- rotation
+
+def _check_positions(name: str, x: torch.Tensor) -> None:
+    if x.dtype != torch.int64 or x.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int64 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+
+
+def _angles(positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """float64 [n, rotary_dim // 2]: exact integer positions times float64 frequencies."""
+    return positions.to(torch.float64)[:, None] * spec.inv_freq.to(positions.device)[None, :]
+
+
+def rotation_cos_sin(delta: torch.Tensor, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of delta * inv_freq as float32 [n, rotary_dim // 2]: angles and cos/sin in float64, cast once."""
+    _check_positions("delta", delta)
+    # A renumber moves whole runs of slots by the same delta: evaluate the float64 cos/sin once per distinct delta.
+    distinct, index = torch.unique(delta, return_inverse=True)
+    angles = _angles(distinct, spec)
+    return angles.cos().float()[index], angles.sin().float()[index]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Rotate pairs of x[..., n, head_dim] by per-slot cos/sin [n, half]; the non-rotated tail is copied."""
+    rot, tail = x[..., : spec.rotary_dim], x[..., spec.rotary_dim:]
+    if spec.layout == "split_half":
+        x1, x2 = rot[..., : spec.half], rot[..., spec.half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
+
+
+def _check_keys(k: torch.Tensor, n: int, spec: RopeSpec) -> None:
+    if not k.is_floating_point() or k.dim() < 2:
+        raise TypeError(f"keys must be a floating tensor [..., n, head_dim], got {k.dtype} {tuple(k.shape)}")
+    if k.shape[-1] != spec.head_dim or k.shape[-2] != n:
+        raise ValueError(f"keys of shape {tuple(k.shape)} do not match [..., n={n}, head_dim={spec.head_dim}]")
+
+
+def rerotate_reference(ref_k: torch.Tensor, delta: torch.Tensor, spec: RopeSpec,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """torch reference of R(delta) ref_k: ref_k [..., n, head_dim] (slot dim -2), delta int64 [n].
+
+    The multiply-add runs in float32 (float64 if ref_k is float64) and is cast once to out_dtype at the end.
+    """
+    _check_positions("delta", delta)
+    _check_keys(ref_k, delta.shape[0], spec)
+    return _rerotate_torch(ref_k, *rotation_cos_sin(delta.to(ref_k.device), spec), spec, out_dtype)
+
+
+def _rerotate_torch(ref_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    compute = torch.promote_types(ref_k.dtype, torch.float32)
+    return _rotate(ref_k.to(compute), cos.to(compute), sin.to(compute), spec).to(out_dtype)
+
+
+def _pick_backend(ref_k: torch.Tensor, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if backend == "auto":
+        return "triton" if ref_k.is_cuda or interpret else "torch"
+    if backend == "triton" and not (ref_k.is_cuda or interpret):
+        raise ValueError("backend='triton' needs a CUDA tensor, or TRITON_INTERPRET=1 to run the kernel on CPU")
+    return backend
+
+
+def rerotate(ref_k: torch.Tensor, delta: torch.Tensor, spec: RopeSpec, out_dtype: torch.dtype,
+             backend: str = "auto", cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """R(delta) ref_k cast to out_dtype. backend: "torch", "triton", or "auto" (triton on CUDA or under
+    TRITON_INTERPRET=1, torch otherwise). cos/sin always come from rotation_cos_sin (float64 angles); pass
+    cos_sin=rotation_cos_sin(delta, spec) to reuse them across layers that move by the same delta."""
+    _check_positions("delta", delta)
+    _check_keys(ref_k, delta.shape[0], spec)
+    cos, sin = cos_sin if cos_sin is not None else rotation_cos_sin(delta.to(ref_k.device), spec)
+    if cos.shape != (delta.shape[0], spec.half) or sin.shape != cos.shape:
+        raise ValueError(f"cos_sin must be two [{delta.shape[0]}, {spec.half}] tensors from rotation_cos_sin")
+    cos, sin = cos.to(ref_k.device), sin.to(ref_k.device)
+    if _pick_backend(ref_k, backend) == "torch":
+        return _rerotate_torch(ref_k, cos, sin, spec, out_dtype)
+    from kvsteward.kernels.rerotate_triton import rerotate_triton
+
+    return rerotate_triton(ref_k, cos, sin, spec, out_dtype)
+
+
+def apply_rope(raw_k: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Direct RoPE of pre-RoPE keys raw_k [..., n, head_dim] at absolute positions (int64 [n]), float64 throughout,
+    including spec.attention_scaling on the rotated dims: the model's own rotary embedding, without fp32 error."""
+    _check_positions("positions", positions)
+    _check_keys(raw_k, positions.shape[0], spec)
+    angles = _angles(positions.to(raw_k.device), spec)
+    cos, sin = angles.cos() * spec.attention_scaling, angles.sin() * spec.attention_scaling
+    return _rotate(raw_k.to(torch.float64), cos, sin, spec)
