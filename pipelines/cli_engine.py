@@ -131,10 +131,11 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
             rows, peak = play(eng, sess, arm, cfg, on_message=tick)
             wall = time.perf_counter() - t0
         facts = [r for r in rows if r.kind == "fact"]
-        answers = "; ".join(f"{r.probe}={'✓' if r.score else '✗'} ({r.extra['generated'].strip()[:14]!r})"
-                            for r in facts)
+        answers = "\n".join(f"{r.probe.split(':')[-1]} {'✓' if r.score else '✗'} {r.extra['generated'].strip()[:16]!r}"
+                             for r in facts)
         table.add_row(arm, str(n_tokens), str(peak), str(max(r.max_position for r in rows)),
                       f"{sum(r.residency for r in facts) / len(facts):.2f}",
                       f"{sum(r.rotary_gap for r in facts) / len(facts):.0f}", answers)
         console.log(f"{arm}: {wall:.0f}s")
-    console.print(table)
+    # A pipe gets rich's 80 columns by default: too narrow for the table.
+    (console if console.is_terminal else Console(stderr=True, width=150)).print(table)

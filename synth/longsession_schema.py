@@ -157,11 +157,14 @@ def compute_layout(session: Session, tokenizer) -> Layout:
         region_tokens[r.key] = (offsets[r.message] + s, offsets[r.message] + e)
     def_spans = [(offsets[st[0]], offsets[st[-1] + 1]) for st in session.definition_steps]
     needed = {p.id: _merge([region_tokens[k] for k in p.needs]) for p in session.probes}
+    # Oracle blueprint at fact granularity: each named fact's tokens → the probe steps (question and answer) that
+    # need it. A whole-definition blueprint (~670 tokens) would not fit a 512-slot budget; the facts (~440) do.
     blueprint = []
-    for span in def_spans:
-        readers = sorted({s for p in session.probes for s in range(p.step, p.step + len(p.messages) + 1)
-                          if any(a < span[1] and b > span[0] for a, b in needed[p.id])})
-        blueprint.append({"span": list(span), "readers": readers})
+    for r in session.regions:
+        readers = sorted({s for p in session.probes if r.key in p.needs
+                          for s in range(p.step, p.step + len(p.messages) + 1)})
+        if readers:
+            blueprint.append({"span": list(region_tokens[r.key]), "readers": readers})
     last_def = max((s[1] for s in def_spans), default=offsets[-1])
     return Layout(tokenizer=tokenizer_id(tokenizer), n_tokens=offsets[-1], message_offsets=offsets,
                   definition_spans=def_spans, distance_tokens=offsets[-1] - last_def, blueprint=blueprint,

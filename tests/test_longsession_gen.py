@@ -90,15 +90,23 @@ def test_distance_is_honoured(tok, sessions):
         assert s.distance - 300 <= after <= s.distance  # cut at a line boundary: well inside one 2K chunk
 
 
-def test_blueprint_spans_decode_to_definition_messages(tok, sessions):
+def test_blueprint_spans_are_the_facts_inside_definitions(tok, sessions):
+    """Oracle blueprint at fact granularity: each span is one named fact, inside a definition message, read by
+    exactly the probes that need it (question and answer steps)."""
     for s in sessions:
         stream = _stream(tok, s)
-        texts = message_texts(tok, [m.model_dump() for m in s.messages])
         spans = parse_blueprint(s.layout.blueprint)
-        assert len(spans) == 3
-        for span, step in zip(spans, s.definition_steps, strict=True):
-            assert tok.decode(stream[span.start:span.end]) == "".join(texts[i] for i in step)
-            assert set(span.readers) <= {st for p in s.probes for st in (p.step, p.step + 1)}
+        regions = {r.key: r for r in s.regions}
+        assert len(spans) == len([r for r in s.regions if any(r.key in p.needs for p in s.probes)])
+        def_ranges = [(a, b) for a, b in s.layout.definition_spans]
+        for span, key in zip(spans, [r.key for r in s.regions if any(r.key in p.needs for p in s.probes)],
+                             strict=True):
+            assert any(a <= span.start and span.end <= b for a, b in def_ranges)
+            region = regions[key]
+            fact = s.messages[region.message].content[region.start:region.end]
+            assert fact.strip() in tok.decode(stream[span.start:span.end])
+            want = {st for p in s.probes if key in p.needs for st in (p.step, p.step + 1)}
+            assert set(span.readers) == want
         # every probe reads at least one span, at its own step and its answer step
         for p in s.probes:
             assert any({p.step, p.step + 1} <= set(sp.readers) for sp in spans), p.id
@@ -202,7 +210,7 @@ def test_minimal_record_from_the_schema_doc_loads(tok, tmp_path):
     stream = _stream(tok, s)
     (a, b), = s.layout.needed_spans["fact:rate"]
     assert tok.decode(stream[a:b]) == "RATE = 0.25"
-    assert s.layout.blueprint == [{"span": [0, len(stream)], "readers": [2, 3]}]
+    assert s.layout.blueprint == [{"span": [a, b], "readers": [2, 3]}]  # the fact's tokens, read by the probe
 
 
 def test_fact_gold_tokenizes_as_its_own_continuation(tok):

@@ -1,0 +1,52 @@
+"""Prometheus metrics of the server (one registry per app, so several apps in one process never collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "kvsteward_"
+        self.requests = Counter(p + "requests_total", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "Request latency (streams: until the last byte)",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens_requested = Counter(p + "prefix_tokens_requested_total",
+                                        "Prompt tokens of stateless requests (before the generation prompt)",
+                                        registry=r)
+        self.tokens_reused = Counter(p + "prefix_tokens_reused_total",
+                                     "Prompt tokens served from a cached (tokens, ops) prefix state", registry=r)
+        self.hit_rate = Gauge(p + "prefix_cache_hit_rate", "prefix_tokens_reused_total / prefix_tokens_requested_total",
+                              registry=r)
+        self.cache_states = Gauge(p + "prefix_cache_states", "States held by the prefix cache", registry=r)
+        self.cache_bytes = Gauge(p + "prefix_cache_bytes", "Bytes allocated by the prefix cache's states", registry=r)
+        self.cache_resident = Gauge(p + "prefix_cache_resident_tokens", "Resident KV tokens held by the prefix cache",
+                                    registry=r)
+        self.evictions = Counter(p + "prefix_cache_evictions_total", "States evicted from the prefix cache (LRU)",
+                                 registry=r)
+        self.session_resident = Gauge(p + "session_resident_tokens", "Resident KV tokens of loaded persistent sessions",
+                                      registry=r)
+        self.sessions_active = Gauge(p + "sessions_active", "Persistent sessions loaded in memory", registry=r)
+        self.sessions_known = Gauge(p + "sessions_known", "Persistent sessions on disk", registry=r)
+        self.session_unloads = Counter(p + "session_unloads_total", "Idle sessions unloaded to their log (LRU)",
+                                       registry=r)
+        self.persisted_turns = Counter(p + "persisted_turns_total", "Session turns written and fsynced", registry=r)
+        self.rebuild_seconds = Histogram(p + "session_rebuild_seconds", "Time to rebuild a session from its log",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter(p + "generated_tokens_total", "Tokens generated", registry=r)
+
+    def reuse(self, requested: int, reused: int) -> None:
+        self.tokens_requested.inc(requested)
+        self.tokens_reused.inc(reused)
+        total = self.tokens_requested._value.get()
+        self.hit_rate.set(self.tokens_reused._value.get() / total if total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

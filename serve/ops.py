@@ -1,0 +1,310 @@
+"""The AKV operate-after grammar (AKV §4.1) turned into engine operations.
+
+A request carries the full message list plus an optional `cache` object:
+
+    {"drop": {"<i>": [j, ...], ...}, "reposition": [i, ...]}
+
+Every message is an implicit append. `drop["i"]` lists the messages whose KV leaves attention right after message i
+has been appended; `reposition` lists the message boundaries (after message i) at which the survivors are
+repositioned. Indices are 0-based; at one boundary the drop runs before the reposition.
+
+The request becomes a list of message-level ops, each a hashable tuple — the key of the shared prefix cache:
+
+    ("append", kind, (token, ...))   one message (the engine chunks it; one step = one message)
+    ("drop", (j, ...))               message indices whose tokens leave attention
+    ("reposition",)
+
+Two requests share state exactly as far as these tuples agree (the session config is the root of the key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsteward.serve.blueprint import BlueprintError, PlannedSpan, parse_blueprint
+
+Op = tuple
+ROLE_KIND = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class OpsError(ValueError):
+    """A request whose messages / cache ops / blueprint cannot be turned into engine ops; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# -- messages -------------------------------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text parts carry meaning for a text model
+        parts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpsError(f"{where}.content[{k}] must be a text part {{'type': 'text', 'text': ...}}",
+                               f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise OpsError(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+
+
+def normalize_messages(messages: Any, where: str = "messages", allow_empty: bool = False) -> list[dict]:
+    """Validate OpenAI chat messages; return copies with string content (templates concatenate strings)."""
+    if not isinstance(messages, list) or (not messages and not allow_empty):
+        raise OpsError(f"{where} must be a non-empty list of messages", where)
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise OpsError(f"{where}[{i}] must be an object with 'role' and 'content'", f"{where}[{i}]")
+        role = m.get("role")
+        if role not in ROLE_KIND:
+            raise OpsError(f"{where}[{i}].role {role!r} is not one of {sorted(ROLE_KIND)}", f"{where}[{i}].role")
+        msg = {k: v for k, v in m.items() if v is not None}
+        msg["content"] = _content_text(m.get("content"), f"{where}[{i}]")
+        out.append(msg)
+    return out
+
+
+def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def message_pieces(tokenizer, messages: list[dict], tools: list | None = None, start: int = 0) -> list[list[int]]:
+    """Token ids of messages[start:], each cut from the template's rendering of growing prefixes (the same rule as
+    `kvsteward.synth.chat.message_token_ids`, which this equals for start=0), so only new messages are rendered."""
+    prev = _render(tokenizer, messages[:start], tools)
+    pieces = []
+    for i in range(start, len(messages)):
+        full = _render(tokenizer, messages[: i + 1], tools)
+        if not full.startswith(prev):
+            raise OpsError(f"the chat template is not prefix-stable at message {i}: it cannot be split into "
+                           "per-message appends", "messages")
+        pieces.append(tokenizer.encode(full[len(prev):], add_special_tokens=False))
+        prev = full
+    for i, p in enumerate(pieces):
+        if not p:
+            raise OpsError(f"message {start + i} renders to zero tokens: nothing to append", f"messages[{start + i}]")
+    return pieces
+
+
+def generation_prompt_ids(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:
+    """Tokens the template adds to open the assistant reply after `messages`."""
+    text = _render(tokenizer, messages, tools, add_generation_prompt=True)[len(_render(tokenizer, messages, tools)):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def message_ranges(pieces: list[list[int]], offset: int = 0) -> list[tuple[int, int]]:
+    """Half-open logical token range of each message, starting at logical index `offset`."""
+    ranges = []
+    for p in pieces:
+        ranges.append((offset, offset + len(p)))
+        offset += len(p)
+    return ranges
+
+
+# -- the cache grammar ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheSpec:
+    drop: dict[int, tuple[int, ...]] = field(default_factory=dict)  # boundary i -> messages dropped after i
+    reposition: frozenset[int] = frozenset()
+
+    def as_json(self) -> dict:
+        return {"drop": {str(i): list(js) for i, js in sorted(self.drop.items())},
+                "reposition": sorted(self.reposition)}
+
+    def boundaries(self) -> list[int]:
+        return sorted(set(self.drop) | set(self.reposition))
+
+
+def _index(x: Any, what: str, param: str) -> int:
+    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
+        x = int(x)
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise OpsError(f"{what} {x!r} is not a message index (0-based integer)", param)
+    return x
+
+
+def parse_cache(cache: Any, n_messages: int, first: int = 0, dropped: frozenset[int] = frozenset()) -> CacheSpec:
+    """Validate `cache` for a conversation of `n_messages` messages of which messages[first:] are new.
+
+    Boundaries must lie where the new ops can still run: after a new message, or right after the last old one
+    (`first - 1`). `dropped` are messages already dropped earlier (a persistent session); dropping one twice, or a
+    message not appended yet at that boundary, is an error.
+    """
+    if cache is None:
+        return CacheSpec()
+    if not isinstance(cache, dict):
+        raise OpsError("cache must be an object {'drop': {...}, 'reposition': [...]}", "cache")
+    unknown = set(cache) - {"drop", "reposition"}
+    if unknown:
+        raise OpsError(f"cache has unknown field(s) {sorted(unknown)}: only 'drop' and 'reposition'", "cache")
+    lowest = max(0, first - 1)
+    last = n_messages - 1
+
+    def boundary(x: Any, param: str) -> int:
+        i = _index(x, "boundary", param)
+        if not lowest <= i <= last:
+            if i < lowest:
+                raise OpsError(f"{param}: boundary after message {i} has already passed (ops can run after message "
+                               f"{lowest} or later)", param)
+            raise OpsError(f"{param}: boundary after message {i} is out of range: there are {n_messages} messages "
+                           f"(0..{last})", param)
+        return i
+
+    drops: dict[int, tuple[int, ...]] = {}
+    raw_drop = cache.get("drop") or {}
+    if not isinstance(raw_drop, dict):
+        raise OpsError("cache.drop must map 'after message i' -> [message indices]", "cache.drop")
+    gone = set(dropped)
+    for key in sorted(raw_drop, key=lambda k: _index(k, "cache.drop key", "cache.drop")):
+        param = f"cache.drop[{key!r}]"
+        i = boundary(key, param)
+        if i in drops:
+            raise OpsError(f"{param}: boundary {i} is listed twice", param)
+        targets = raw_drop[key]
+        if not isinstance(targets, list) or not targets:
+            raise OpsError(f"{param} must be a non-empty list of message indices", param)
+        js = []
+        for t in targets:
+            j = _index(t, "dropped message", param)
+            if not 0 <= j < n_messages:
+                raise OpsError(f"{param}: message {j} is unknown: there are {n_messages} messages (0..{last})", param)
+            if j > i:
+                raise OpsError(f"{param}: message {j} is not yet appended at the boundary after message {i}", param)
+            if j in gone:
+                raise OpsError(f"{param}: message {j} is already dropped", param)
+            gone.add(j)
+            js.append(j)
+        drops[i] = tuple(sorted(js))
+    raw_rep = cache.get("reposition") or []
+    if not isinstance(raw_rep, list):
+        raise OpsError("cache.reposition must be a list of message boundaries", "cache.reposition")
+    reps = [boundary(x, "cache.reposition") for x in raw_rep]
+    if len(set(reps)) != len(reps):
+        raise OpsError("cache.reposition lists a boundary twice", "cache.reposition")
+    return CacheSpec(drop=drops, reposition=frozenset(reps))
+
+
+def build_ops(pieces: list[list[int]], kinds: list[str], spec: CacheSpec, first: int = 0) -> list[Op]:
+    """The message-level op list for messages[first:] (pieces/kinds cover those only): boundary ops that belong
+    right after message first-1 come first, then each message's append followed by its drop, then reposition."""
+
+    def boundary_ops(i: int) -> list[Op]:
+        out: list[Op] = []
+        if i in spec.drop:
+            out.append(("drop", spec.drop[i]))
+        if i in spec.reposition:
+            out.append(("reposition",))
+        return out
+
+    ops: list[Op] = boundary_ops(first - 1) if first > 0 else []
+    for k, (piece, kind) in enumerate(zip(pieces, kinds, strict=True)):
+        ops.append(("append", kind, tuple(piece)))
+        ops.extend(boundary_ops(first + k))
+    return ops
+
+
+def apply_op(session, op: Op, ranges: list[tuple[int, int]], lock) -> None:
+    """Run one message-level op on an engine session. Appends hold `lock` (one model forward at a time)."""
+    if op[0] == "append":
+        with lock:
+            session.append(list(op[2]), kind=op[1], logits=None)
+    elif op[0] == "drop":
+        session.drop([t for j in op[1] for t in range(*ranges[j])])
+    elif op[0] == "reposition":
+        with lock:  # a re-rotation of every resident key: compute, serialised like a forward
+            session.reposition()
+    else:
+        raise OpsError(f"unknown op {op[0]!r}")
+
+
+def op_tokens(op: Op) -> int:
+    return len(op[2]) if op[0] == "append" else 0
+
+
+# -- session config (the root of the state key) ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionSpec:
+    policy: str = "full"
+    budget: int | None = None
+    limit: int | None = None
+    chunk: int = 512
+    blueprint: tuple[PlannedSpan, ...] = ()
+
+    def new_session(self, engine):
+        return engine.session(self.policy, budget=self.budget, chunk=self.chunk, limit=self.limit,
+                              blueprint=list(self.blueprint))
+
+    def as_json(self) -> dict:
+        return {"policy": self.policy, "budget": self.budget, "limit": self.limit, "chunk": self.chunk,
+                "blueprint": [{"span": [s.start, s.end], "readers": list(s.readers)} for s in self.blueprint]}
+
+
+def _opt_int(x: Any, name: str, minimum: int = 1) -> int | None:
+    if x is None:
+        return None
+    if not isinstance(x, int) or isinstance(x, bool) or x < minimum:
+        raise OpsError(f"{name} must be an integer >= {minimum}, got {x!r}", name)
+    return x
+
+
+def resolve_blueprint(data: Any, ranges: list[tuple[int, int]] | None) -> tuple[PlannedSpan, ...]:
+    """Blueprint entries are engine spans `{"span": [start, end], "readers": [...]}` (logical tokens, half-open)
+    or, when the messages are known (`ranges`), `{"message": j, "readers": [...]}` for the whole of message j."""
+    if data is None:
+        return ()
+    if isinstance(data, list):
+        converted = []
+        for k, entry in enumerate(data):
+            if isinstance(entry, dict) and "message" in entry:
+                if ranges is None:
+                    raise OpsError(f"blueprint[{k}] is keyed by message, but the messages are not known here: "
+                                   "use token spans {'span': [start, end], 'readers': [...]}", "blueprint")
+                j = entry["message"]
+                if not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < len(ranges):
+                    raise OpsError(f"blueprint[{k}].message {j!r} is unknown: there are {len(ranges)} messages",
+                                   "blueprint")
+                rest = {key: v for key, v in entry.items() if key != "message"}
+                converted.append({**rest, "span": list(ranges[j])})
+            else:
+                converted.append(entry)
+        data = converted
+    try:
+        return tuple(parse_blueprint(data))
+    except BlueprintError as e:
+        raise OpsError(str(e), "blueprint") from e
+
+
+def session_spec(engine, defaults: SessionSpec, policy: Any = None, budget: Any = None, limit: Any = None,
+                 blueprint: tuple[PlannedSpan, ...] = ()) -> SessionSpec:
+    """Request overrides on the server defaults, checked by building a session (cheap: no forward)."""
+    from kvsteward.serve.policies import ARMS, POLICIES
+
+    name = defaults.policy if policy is None else policy
+    if not isinstance(name, str) or (name not in POLICIES and name not in ARMS):
+        raise OpsError(f"unknown policy {name!r}; known: {sorted(set(POLICIES) | set(ARMS))}", "policy")
+    spec = SessionSpec(
+        policy=name,
+        budget=_opt_int(budget, "budget") if budget is not None else (defaults.budget if policy is None else None),
+        limit=_opt_int(limit, "limit") if limit is not None else (defaults.limit if policy is None else None),
+        chunk=defaults.chunk,
+        blueprint=blueprint,
+    )
+    if name == "full":  # the full cache ignores budget/limit; normalise so equal states get equal keys
+        if spec.limit is not None:
+            raise OpsError("policy 'full' keeps everything: bounded positions (limit) need an evicting policy",
+                           "limit")
+        spec = SessionSpec(policy="full", chunk=spec.chunk, blueprint=spec.blueprint)
+    try:
+        spec.new_session(engine)
+    except ValueError as e:  # CacheOpError / unknown arm settings: name the problem
+        raise OpsError(str(e), "policy") from e
+    return spec
