@@ -98,7 +98,7 @@ def test_budget_bound_over_50k_tokens(engine):
     s = engine.session("h2o", budget=B, chunk=H)
     gen = torch.Generator().manual_seed(0)
     peak, bytes_at = 0, {}
-    for i in range(50_000 // 1000):
+    for _ in range(50_000 // 1000):
         s.append(torch.randint(0, 256, (1000,), generator=gen).tolist())
         peak = max(peak, s.peak_resident)
         bytes_at[s.n_logical] = s.table.allocated_bytes()

@@ -11,7 +11,7 @@ import pytest
 
 from kvsteward.eval.scoring import code_checks
 from kvsteward.serve.blueprint import parse_blueprint
-from kvsteward.synth.chat import message_texts, message_token_ids
+from kvsteward.synth.chat import message_token_ids
 from kvsteward.synth.longsession import generate_session, generate_sessions
 from kvsteward.synth.longsession_defs import Spec, code_probes, make_spec
 from kvsteward.synth.longsession_schema import read_jsonl, write_jsonl
