@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
@@ -14,6 +16,7 @@ class Engine:
         from kvsteward.kernels.rope import rope_spec
 
         self.model = model.eval()
+        self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.tokenizer = tokenizer
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
@@ -26,11 +29,23 @@ class Engine:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
+    def adapter(self, enabled: bool):
+        """Context for one forward: a PEFT model runs with its adapter only when `enabled` (the aux thread);
+        the main thread always sees the base model."""
+        if self.is_peft and not enabled:
+            return self.model.disable_adapter()
+        return nullcontext()
+
     @classmethod
-    def load(cls, model: str, dtype: torch.dtype = torch.float32) -> Engine:
+    def load(cls, model: str, dtype: torch.dtype = torch.float32, adapter: str | None = None) -> Engine:
+        """`model` as accepted by `kvsteward.models.resolve`; `adapter` a PEFT LoRA folder for the aux thread."""
         from kvsteward import models
 
         m, tok = models.load(model, dtype=dtype)
+        if adapter is not None:
+            from peft import PeftModel
+
+            m = PeftModel.from_pretrained(m, adapter)
         return cls(m, tok)
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,

@@ -13,6 +13,7 @@ Every operation validates its input first and either applies completely or raise
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class SessionConfig:
     chunk: int = 512  # H: prefill chunk
     limit: int | None = None  # L: bounded positions (None = unbounded)
     blueprint: list[PlannedSpan] = field(default_factory=list)
+    use_adapter: bool = False  # run with the engine's LoRA adapter on (the aux thread); main threads run the base
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -220,7 +222,7 @@ class Session:
         ctx = ForwardContext(n_old=t.n, score_mode=policy.score_mode, window=policy.window,
                              n_layers=self.engine.n_layers)
         model = self.engine.model
-        with torch.inference_mode(), steward_attention_enabled(model):
+        with torch.inference_mode(), steward_attention_enabled(model), self.engine.adapter(self.config.use_adapter):
             out = model(input_ids=torch.tensor([chunk], device=t.device), position_ids=positions[None],
                         past_key_values=_EngineCache(t), use_cache=True, steward=ctx, logits_to_keep=keep_logits)
         logits = out.logits[0].float()
@@ -272,6 +274,7 @@ class Session:
         """An independent copy (same history); later ops on either side never affect the other."""
         other = Session.__new__(Session)
         other.__dict__.update(self.__dict__)
+        other.config = dataclasses.replace(self.config)
         other.table = self.table.clone()
         other.tokens = list(self.tokens)
         other.status = bytearray(self.status)

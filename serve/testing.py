@@ -1,0 +1,52 @@
+"""Test helpers for the HTTP layer: a tiny random model behind the real SmolLM2 tokenizer (chat template included),
+and a uvicorn server running in a thread on 127.0.0.1 and a free port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from kvsteward.serve.engine import Engine
+
+
+def tiny_chat_engine(seed: int = 0) -> Engine:
+    """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer (loads in seconds, no weights)."""
+    from kvsteward.models import load_tokenizer, tiny_model
+
+    tok = load_tokenizer("smollm2")
+    return Engine(tiny_model("llama", seed=seed, vocab=len(tok)), tok)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """`with ServerThread(app) as url:` serves `app` until the block ends."""
+
+    def __init__(self, app, port: int | None = None):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
