@@ -49,7 +49,7 @@ def lora(
         with contextlib.redirect_stdout(sys.stderr):
             result = train_lora(cfg, log=lambda m: console.print(f"[yellow]{m}"))
     except (DataError, QuantizedModelError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
+        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
         raise typer.Exit(2) from e
     if not is_main_process():
         return
@@ -61,3 +61,23 @@ def lora(
     else:
         for k, v in payload.items():
             print(f"{k}: {v}")
+
+
+@app.command("toy-data")
+def toy_data(
+    out: Path = typer.Option(..., help="folder for the DatasetDict (train/validation/test)"),
+    model: str = typer.Option("smollm2", help="tokenizer source: `smollm2`, a local folder, or a hub id"),
+    rows: int = typer.Option(40, help="rows in total (80 % train, 10 % validation, 10 % test)"),
+    seed: int = typer.Option(0, help="seed"),
+) -> None:
+    """A small chat dataset in the hindsight format (cursor lists → `{"del_cursors": [...]}`, plus Q&A main rows),
+    for timing and smoke runs of `steward train lora` without the synthesis stage. Not training data."""
+    from kvsteward.models import load_tokenizer
+    from kvsteward.train.toy import chat_dataset
+
+    ds = chat_dataset(load_tokenizer(model), rows=rows, seed=seed)
+    with contextlib.redirect_stdout(sys.stderr):
+        ds.save_to_disk(str(out))
+    lengths = [len(x) for split in ds.values() for x in split["input_ids"]]
+    console.print(f"{rows} rows, {min(lengths)}–{max(lengths)} tokens → {out}")
+    print(out)

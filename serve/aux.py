@@ -28,7 +28,7 @@ _ALPHABET = set("0123456789, ]}")
 
 
 def valid_tail(tail: str, open_ids: frozenset[int]) -> tuple[bool, bool]:
-    """(is a prefix of a valid tail, is complete) for the language `ID (", " ID)* "]}"` | `"]}"` over unused open ids."""
+    """(prefix of a valid tail?, complete?) for the language `ID (", " ID)* "]}"` | `"]}"` over unused open ids."""
     used: set[int] = set()
     i, n = 0, len(tail)
     expect_id = True
@@ -92,8 +92,8 @@ def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], ma
     cand_ids, cand_texts = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
-    tail = ""
-    for step in range(max_tokens):
+    tail, used_tokens = "", 0
+    for used_tokens in range(1, max_tokens + 1):  # noqa: B007 (the count is reported)
         logits = session.last_logits[cand]
         order = torch.argsort(logits, descending=True).tolist()
         for k in order:
@@ -108,9 +108,8 @@ def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], ma
         session.append([cand_ids[k]], kind="assistant", continue_message=True, logits="last")
     else:
         tail = _close(tail)
-        step = max_tokens
     text = PREFIX + tail
-    return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, step + 1)
+    return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, used_tokens)
 
 
 def _close(tail: str) -> str:
