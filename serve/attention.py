@@ -100,11 +100,11 @@ AttentionInterface.register(NAME, steward_attention)
 
 
 @contextmanager
-def steward_attention_enabled(model):
-    """Route the model's attention through `steward_attention` for the duration of an engine forward."""
+def steward_attention_enabled(model, name: str = NAME):
+    """Route the model's attention through a registered engine attention function for the duration of a forward."""
     config = model.config
     previous = config._attn_implementation
-    config._attn_implementation = NAME
+    config._attn_implementation = name
     try:
         yield
     finally:

@@ -1,0 +1,95 @@
+"""Hindsight labels: which cursors are expired at a turn boundary, and the auxiliary examples built from that.
+
+A *turn boundary* b is the position right after a tool response (messages[b-1] is a tool message and b is not the
+end): the moment the auxiliary thread forks, before the main thread writes step b. Every `every`-th boundary
+(counting tool responses, as SideQuest counts ReAct iterations) yields auxiliary examples.
+
+A cursor c is *expired* at b when no step >= b reads it (its last use is < b). The deletion target at b is exactly
+the expired cursors among those still open in the context; the plan target lists, for each open cursor that some
+later step reads, those future reader steps.
+
+Pre-masking (SideQuest Algorithm 2): a random subset of the expired cursors is treated as deleted by an earlier
+auxiliary call. Their tool messages are *removed* from the context — the engine's drop removes exactly that message's
+tokens — so they are no longer open and not part of the target.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from kvsteward.synth.trace import Trace
+
+DELETE_TRIGGER = "Memory management mode"
+PLAN_TRIGGER = "Planning mode"
+
+
+def boundaries(trace: Trace, every: int) -> list[int]:
+    """Boundaries after every `every`-th tool response (the last message never starts a boundary)."""
+    if every < 1:
+        raise ValueError(f"--every must be >= 1, got {every}")
+    out, turns = [], 0
+    for i, m in enumerate(trace.messages[:-1]):
+        if m.get("role") == "tool":
+            turns += 1
+            if turns % every == 0:
+                out.append(i + 1)
+    return out
+
+
+def expired(trace: Trace, boundary: int) -> list[int]:
+    """Cursors before `boundary` that no step >= boundary reads."""
+    last = trace.last_use()
+    return sorted(c for c, lu in last.items() if c < boundary and lu < boundary)
+
+
+def future_readers(trace: Trace, boundary: int) -> dict[int, list[int]]:
+    """Cursor (before boundary) → its readers at steps >= boundary, only for cursors with at least one."""
+    out = {}
+    for c, steps in trace.readers().items():
+        fut = [s for s in steps if s >= boundary]
+        if c < boundary and fut:
+            out[c] = fut
+    return out
+
+
+def delete_target(open_cursors: list[int], trace: Trace, boundary: int) -> dict[str, list[int]]:
+    gone = set(expired(trace, boundary))
+    return {"del_cursors": sorted(c for c in open_cursors if c in gone)}
+
+
+def plan_target(open_cursors: list[int], trace: Trace, boundary: int) -> dict[str, list[dict[str, Any]]]:
+    fut = future_readers(trace, boundary)
+    return {"plan": [{"cursor": c, "readers": fut[c]} for c in sorted(open_cursors) if c in fut]}
+
+
+def target_text(target: dict) -> str:
+    """The exact JSON text the model is trained to emit (json.dumps defaults: `{"del_cursors": [3, 5]}`)."""
+    return json.dumps(target)
+
+
+@dataclass
+class AuxContext:
+    boundary: int
+    messages: list[dict[str, Any]]  # context after pre-masking (without trigger / target)
+    open_cursors: list[int]
+    masked: list[int]
+
+
+def aux_context(trace: Trace, boundary: int, r: random.Random, mask_prob: float,
+                mask_all: bool = False) -> AuxContext:
+    """Context up to `boundary` with each expired cursor removed with probability `mask_prob` (all if mask_all)."""
+    if not 0 < boundary <= len(trace.messages):
+        raise ValueError(f"boundary {boundary} outside the trace of {len(trace.messages)} messages")
+    gone = expired(trace, boundary)
+    masked = sorted(c for c in gone if mask_all or r.random() < mask_prob)
+    drop = set(masked)
+    msgs = [m for i, m in enumerate(trace.messages[:boundary]) if i not in drop]
+    open_cursors = [c for c in trace.cursors() if c < boundary and c not in drop]
+    return AuxContext(boundary, msgs, open_cursors, masked)
+
+
+def with_trigger(ctx: AuxContext, trigger: str, target: dict) -> list[dict[str, Any]]:
+    return ctx.messages + [{"role": "user", "content": trigger}, {"role": "assistant", "content": target_text(target)}]

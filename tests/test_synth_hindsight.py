@@ -1,0 +1,135 @@
+"""Hindsight labels: last use on hand-built traces, and properties over generated and random traces."""
+
+import os
+import random
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsteward.synth import hindsight as hs
+from kvsteward.synth.generate import generate_traces
+from kvsteward.synth.solver import TraceConfig
+from kvsteward.synth.stats import delete_row_errors
+from kvsteward.synth.toolcall import cursor_content
+from kvsteward.synth.trace import Trace
+
+
+def hand_trace(roles: str, reads: dict[int, list[int]]) -> Trace:
+    """roles: one letter per message, s/u/a/t (tool messages get their cursor tag)."""
+    names = {"s": "system", "u": "user", "a": "assistant", "t": "tool"}
+    msgs = [{"role": names[r], "content": cursor_content(i, f"body {i}") if r == "t" else f"{names[r]} {i}"}
+            for i, r in enumerate(roles)]
+    t = Trace("hand", "train", msgs, reads)
+    t.validate()
+    return t
+
+
+# s u a t a t a t a t a   (cursors 3, 5, 7, 9)
+HAND = hand_trace("suatatatata", {4: [3], 6: [5], 8: [7, 3], 10: [9, 5]})
+
+
+def test_last_use_hand_built():
+    assert HAND.cursors() == [3, 5, 7, 9]
+    assert HAND.last_use() == {3: 8, 5: 10, 7: 8, 9: 10}
+    assert HAND.readers() == {3: [4, 8], 5: [6, 10], 7: [8], 9: [10]}
+    unread = hand_trace("suatata", {4: [3]})
+    assert unread.last_use() == {3: 4, 5: -1}
+
+
+def test_expired_and_targets_hand_built():
+    # boundary 6 (after cursor 5): cursor 3 is read again at 8 → not expired; nothing expired yet.
+    assert hs.expired(HAND, 6) == []
+    # boundary 10 (after cursor 9): 3 and 7 were last used at 8 → expired; 5 is read at 10.
+    assert hs.expired(HAND, 10) == [3, 7]
+    assert hs.delete_target([3, 5, 7, 9], HAND, 10) == {"del_cursors": [3, 7]}
+    assert hs.delete_target([5, 7, 9], HAND, 10) == {"del_cursors": [7]}  # 3 already masked
+    assert hs.plan_target([3, 5, 7, 9], HAND, 6) == {"plan": [{"cursor": 3, "readers": [8]},
+                                                            {"cursor": 5, "readers": [6, 10]}]}
+    assert hs.plan_target([5, 9], HAND, 10) == {"plan": [{"cursor": 5, "readers": [10]},
+                                                        {"cursor": 9, "readers": [10]}]}
+
+
+def test_boundaries_every_k():
+    assert hs.boundaries(HAND, 1) == [4, 6, 8, 10]
+    assert hs.boundaries(HAND, 2) == [6, 10]
+    assert hs.boundaries(HAND, 4) == [10]
+    ends_with_tool = hand_trace("suat", {})
+    assert hs.boundaries(ends_with_tool, 1) == []  # nothing follows the last tool message
+    with pytest.raises(ValueError, match="every"):
+        hs.boundaries(HAND, 0)
+
+
+def test_aux_context_masks_only_expired_and_removes_them():
+    ctx = hs.aux_context(HAND, 10, random.Random(0), mask_prob=1.0)
+    assert ctx.masked == [3, 7]
+    assert ctx.open_cursors == [5, 9]
+    assert [m["content"] for m in ctx.messages if m["role"] == "tool"] == [cursor_content(5, "body 5"),
+                                                                           cursor_content(9, "body 9")]
+    assert len(ctx.messages) == 8  # 10 messages minus the two removed tool responses
+    none = hs.aux_context(HAND, 10, random.Random(0), mask_prob=0.0)
+    assert none.masked == [] and none.open_cursors == [3, 5, 7, 9]
+
+
+def test_trace_validate_rejects_bad_provenance():
+    with pytest.raises(ValueError, match="not an earlier tool message"):
+        hand_trace("suata", {4: [4]})
+    with pytest.raises(ValueError, match="not an earlier tool message"):
+        hand_trace("suata", {4: [2]})
+
+
+def _check_all_boundaries(trace: Trace, every: int, mask_prob: float, seed: int) -> None:
+    last = trace.last_use()
+    for b in hs.boundaries(trace, every):
+        ctx = hs.aux_context(trace, b, random.Random(seed + b), mask_prob)
+        target = hs.delete_target(ctx.open_cursors, trace, b)["del_cursors"]
+        later_used = {c for s, cs in trace.reads.items() if s >= b for c in cs}
+        assert not set(target) & later_used, "a target deletes a cursor a later step uses"
+        assert set(target) <= set(ctx.open_cursors)
+        assert {c for c in ctx.open_cursors if last[c] < b} == set(target), "an expired open cursor is not marked"
+        assert not set(ctx.masked) & later_used, "pre-masking removed a cursor a later step uses"
+        # The stats re-check (independent code path) agrees on the rendered row.
+        assert not delete_row_errors(hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": target}), b, last)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), every=st.integers(1, 5), mask_prob=st.floats(0, 1),
+       detour=st.floats(0, 1), recap=st.floats(0, 1))
+def test_property_generated_traces_never_delete_a_cursor_used_later(seed, every, mask_prob, detour, recap):
+    cfg = TraceConfig(world_size=60, detour_rate=detour, recap_rate=recap, page_words=40, doc_words=80)
+    for t in generate_traces(3, seed, cfg):
+        _check_all_boundaries(t, every, mask_prob, seed)
+
+
+@st.composite
+def random_traces(draw):
+    n = draw(st.integers(3, 30))
+    roles = "su" + "".join(draw(st.sampled_from(["a", "t", "ta", "at"])) for _ in range(n))
+    cursors: list[int] = []
+    reads = {}
+    for i, r in enumerate(roles):
+        if r == "a" and cursors:
+            reads[i] = sorted(set(draw(st.lists(st.sampled_from(cursors), max_size=3))))
+        if r == "t":
+            cursors.append(i)
+    return hand_trace(roles, {s: c for s, c in reads.items() if c})
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=random_traces(), every=st.integers(1, 4), mask_prob=st.floats(0, 1), seed=st.integers(0, 99))
+def test_property_random_reads_never_delete_a_cursor_used_later(trace, every, mask_prob, seed):
+    _check_all_boundaries(trace, every, mask_prob, seed)
+
+
+def test_independent_check_catches_wrong_labels():
+    last = HAND.last_use()
+    ctx = hs.aux_context(HAND, 10, random.Random(0), mask_prob=0.0)
+    harmful = hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": [3, 5, 7]})  # 5 is read at step 10
+    assert delete_row_errors(harmful, 10, last)["harmful"] == 1
+    missed = hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": [3]})  # 7 expired, not marked
+    assert delete_row_errors(missed, 10, last)["missed"] == 1
+    ctx2 = hs.aux_context(HAND, 10, random.Random(0), mask_prob=1.0)
+    invalid = hs.with_trigger(ctx2, hs.DELETE_TRIGGER, {"del_cursors": [3]})  # 3 was masked: not open
+    assert delete_row_errors(invalid, 10, last)["invalid"] == 1
