@@ -148,7 +148,8 @@ def restore(engine, config: SessionConfig, history: list[dict]) -> Session:
                                 "cos_sin": [rotation_cos_sin(seg.delta, engine.rope) if seg.visible.numel() else None
                                             for seg in plan.segments]})
     model = engine.model
-    with torch.inference_mode(), steward_attention_enabled(model, "steward_segments"), engine.adapter(config.use_adapter):
+    attention = steward_attention_enabled(model, "steward_segments")
+    with torch.inference_mode(), attention, engine.adapter(config.use_adapter):
         out = model(input_ids=torch.tensor([plan.tokens]), position_ids=plan.original_pos[None],
                     past_key_values=_EngineCache(t), use_cache=True, steward=ctx, logits_to_keep=1)
     _install(s, plan, ctx, out.logits[0, -1].float())
