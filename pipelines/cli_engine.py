@@ -139,3 +139,14 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
         console.log(f"{arm}: {wall:.0f}s")
     # A pipe gets rich's 80 columns by default: too narrow for the table.
     (console if console.is_terminal else Console(stderr=True, width=150)).print(table)
+
+
+@bench_app.command()
+def restore(model: str = typer.Option("smollm2", help=MODEL_HELP),
+            messages: int = typer.Option(12), tokens_per_message: int = typer.Option(256),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Restore an op history with one segment-batch forward vs the sequential replay of its ops (same run)."""
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    _emit(checks.bench_restore(eng, messages, tokens_per_message, progress=_progress), as_json)

@@ -70,3 +70,33 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     if as_json:
         print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items() if k != "probes"}
                          | {"mlflow_run_id": result.get("mlflow_run_id")}))
+
+
+@app.command()
+def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
+            adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: base model only)"),
+            data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces)"),
+            traces: Path | None = typer.Option(None, help="traces folder (default: the dataset card's source)"),
+            split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
+            limit: int = typer.Option(10, help="at most this many traces"),
+            plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
+    for the base model and the adapter as memory manager, on held-out traces."""
+    from kvsteward.eval.manager import evaluate
+    from kvsteward.serve.engine import Engine
+    from kvsteward.synth.dataset import CARD_JSON
+    from kvsteward.synth.trace import read_traces
+
+    card = data / CARD_JSON
+    src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
+    if src is None:
+        raise typer.BadParameter(f"{data} has no {CARD_JSON} naming its traces: pass --traces")
+    trs = [t for t in read_traces(src) if t.split == split][:limit]
+    if not trs:
+        raise typer.BadParameter(f"no {split!r} traces in {src}")
+    with console.status(f"loading {model} ..."):
+        engine = Engine.load(model, adapter=str(adapter) if adapter else None)
+    arms = ("base", "adapter") if adapter else ("base",)
+    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log)
+    print(json.dumps(result)) if as_json else console.print_json(json.dumps(result))

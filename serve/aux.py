@@ -84,6 +84,7 @@ class AuxDecision:
     del_cursors: list[int]
     text: str
     tokens: int
+    truncated: bool = False  # the token budget ran out before the list closed; completed ids are kept
 
 
 def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64) -> AuxDecision:
@@ -108,6 +109,8 @@ def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], ma
         session.append([cand_ids[k]], kind="assistant", continue_message=True, logits="last")
     else:
         tail = _close(tail)
+        text = PREFIX + tail
+        return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, used_tokens, truncated=True)
     text = PREFIX + tail
     return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, used_tokens)
 

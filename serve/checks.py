@@ -107,3 +107,47 @@ def bench_overhead(engine: Engine, tokens: int = 32768, budget: int = 512, chunk
     return {"tokens": tokens, "budget": budget, "chunk": chunk, "limit": limit,
             "h2o_s": wall["h2o"], "pace_s": wall["pace"], "ratio_pace_over_h2o": wall["pace"] / wall["h2o"],
             "pace_renumbers": arms["pace"].renumbers, "peak_resident": max(s.peak_resident for s in arms.values())}
+
+
+def replay_sequential(engine: Engine, history: list[dict]) -> torch.Tensor:
+    """Re-run a `full`-policy op history op by op on a fresh engine session; returns the final logits."""
+    s = engine.session("full", chunk=1 << 30)
+    for op in history:
+        if op["op"] == "append":
+            s.append(op["tokens"], kind=op["kind"], continue_message=bool(s.history) and op["step"] == s.current_step)
+        elif op["op"] == "drop":
+            s.drop(op["indices"])
+        elif op["op"] == "reposition":
+            s.reposition()
+        else:
+            raise ValueError(f"op {op['op']!r} is not replayable without its policy")
+    return s.last_logits
+
+
+def bench_restore(engine: Engine, messages: int = 12, tokens_per_message: int = 256, seed: int = 0,
+                  progress: Progress | None = None) -> dict:
+    """Restore an agent-style op history (appends, drops of old tool outputs, repositions) by one segment-batch
+    forward vs the sequential replay of its ops, same run; both must give the same final logits."""
+    from kvsteward.serve.restore import restore
+
+    gen = torch.Generator().manual_seed(seed)
+    s = engine.session("full", chunk=1 << 30)
+    for m in range(messages):
+        s.append(_tokens(tokens_per_message, engine.vocab_size, seed + m), kind="tool" if m % 2 else "user")
+        if m % 3 == 2:  # drop half of an older message, then close the gaps
+            old = s.resident_logical()
+            victims = old[torch.randperm(old.numel(), generator=gen)[: old.numel() // 6]]
+            s.drop(sorted(victims.tolist()))
+            s.reposition()
+    history = s.history
+    t0 = time.perf_counter()
+    seq_logits = replay_sequential(engine, history)
+    sequential_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    restored = restore(engine, s.config, history)
+    segment_s = time.perf_counter() - t0
+    if progress:
+        progress(f"sequential {sequential_s:.2f}s, segment-batch {segment_s:.2f}s")
+    return {"ops": len(history), "tokens": s.n_logical, "resident": s.resident, "segment_batch_s": segment_s,
+            "sequential_s": sequential_s, "ratio_sequential_over_segment": sequential_s / segment_s,
+            "max_abs_logit_diff": float((restored.last_logits - seq_logits).abs().max())}

@@ -93,3 +93,10 @@ def test_window_policies_refuse_restore(engine):
     s.append(toks(5, 1))
     with pytest.raises(ValueError, match="window vote"):
         restore(engine, s.config, s.history)
+
+
+def test_bench_restore_agrees_with_sequential_replay():
+    from kvsteward.serve.checks import bench_restore
+
+    out = bench_restore(Engine(tiny_model("llama", layers=2)), messages=6, tokens_per_message=32)
+    assert out["max_abs_logit_diff"] < 1e-4 and out["ops"] > 6

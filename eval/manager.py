@@ -1,0 +1,175 @@
+"""What the learned memory manager learned: the auxiliary thread run exactly as at serving time, on held-out traces.
+
+For each test trace the main thread replays the trace message by message on the engine (`full` policy: only the
+manager removes anything). At every K-th turn boundary (after a tool response, before the next step) the aux thread
+forks the main session, appends `Memory management mode`, and decodes `{"del_cursors": [...]}` constrained to the
+open cursor ids; the deletion is applied to the main session as a `drop` before the next step. Scored against the
+hindsight labels: precision / recall / F1 of deletions, harmful deletions (a deleted cursor that a later step reads),
+parse failures (constrained decoding: a decode that hit the token budget before closing counts as one). The same
+replay without any deletion is the uncompressed reference for peak resident tokens, KV reads (resident tokens summed
+over the decoded assistant tokens) and final-answer accuracy (forced prefix `Final answer: `, greedy, text match).
+With a plan-trained adapter the same fork in `Planning mode` emits `{"plan": [...]}`: edge recall / precision vs the
+trace's future readers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvsteward.eval.scoring import text_prefix_match
+from kvsteward.serve.aux import AuxDecision, run_aux
+from kvsteward.serve.engine import Engine
+from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
+from kvsteward.synth.hindsight import PLAN_TRIGGER, boundaries, expired, future_readers
+from kvsteward.synth.trace import Trace
+
+ANSWER_PREFIX = "Final answer: "
+
+
+@dataclass
+class Tally:
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    harmful: int = 0
+    deleted: int = 0
+    calls: int = 0
+    parse_fail: int = 0
+    plan_tp: int = 0
+    plan_fp: int = 0
+    plan_fn: int = 0
+    plan_calls: int = 0
+    plan_parse_fail: int = 0
+    peak: list[int] = field(default_factory=list)
+    kv_reads: list[int] = field(default_factory=list)
+    correct: list[bool] = field(default_factory=list)
+
+
+def _kv_reads(resident_before: int, n_decoded: int) -> int:
+    # each decoded token reads every resident slot, and the cache grows by one per token
+    return n_decoded * resident_before + n_decoded * (n_decoded - 1) // 2
+
+
+def _final_answer(engine: Engine, s, messages: list[dict], gold: str, max_tokens: int) -> tuple[bool, int]:
+    tok = engine.tokenizer
+    opener = tok.encode(generation_prompt(tok, messages) + ANSWER_PREFIX, add_special_tokens=False)
+    s.append(opener, kind="assistant")
+    before = s.resident
+    stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]))
+    gen = s.generate(max_tokens, stop_ids=stop)
+    return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), _kv_reads(before, len(gen))
+
+
+def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, tally: Tally,
+           plan: Callable | None = None, max_answer_tokens: int = 16) -> None:
+    """Replay one trace through the main thread, with the manager's deletions (decide) or none (decide=None)."""
+    tok = engine.tokenizer
+    msgs = trace.messages[:-1]  # the final answer is scored, not replayed
+    pieces = message_token_ids(tok, msgs)
+    starts = [0]
+    for p in pieces:
+        starts.append(starts[-1] + len(p))
+    cuts = set(boundaries(trace, every))
+    last_use = trace.last_use()
+    s = engine.session("full", chunk=512)
+    deleted: set[int] = set()
+    reads = 0
+    for i, (msg, ids) in enumerate(zip(msgs, pieces, strict=True)):
+        if i in cuts and decide is not None:
+            open_c = [c for c in trace.cursors() if c < i and c not in deleted]
+            d: AuxDecision = decide(s, msgs[:i], open_c)
+            want = set(expired(trace, i)) & set(open_c)
+            got = set(d.del_cursors)
+            tally.calls += 1
+            tally.parse_fail += int(d.truncated)
+            tally.tp += len(got & want)
+            tally.fp += len(got - want)
+            tally.fn += len(want - got)
+            tally.deleted += len(got)
+            tally.harmful += sum(last_use[c] >= i for c in got)
+            if got:
+                s.drop([j for c in sorted(got) for j in range(starts[c], starts[c + 1])])
+                deleted |= got
+            if plan is not None:
+                _score_plan(plan(s, msgs[:i], open_c), trace, i, open_c, tally)
+        if msg["role"] == "assistant":
+            reads += _kv_reads(s.resident, len(ids))
+        s.append(ids, kind=msg["role"], logits="last" if i == len(msgs) - 1 else None)
+    ok, final_reads = _final_answer(engine, s, msgs, trace.answer, max_answer_tokens)
+    tally.correct.append(ok)
+    tally.peak.append(s.peak_resident)
+    tally.kv_reads.append(reads + final_reads)
+
+
+def _score_plan(text: str | None, trace: Trace, boundary: int, open_c: list[int], tally: Tally) -> None:
+    truth = {(c, r) for c, rs in future_readers(trace, boundary).items() if c in open_c for r in rs}
+    tally.plan_calls += 1
+    try:
+        got = {(int(e["cursor"]), int(r)) for e in json.loads(text)["plan"] for r in e["readers"]}
+    except (TypeError, ValueError, KeyError):
+        tally.plan_parse_fail += 1
+        got = set()
+    tally.plan_tp += len(got & truth)
+    tally.plan_fp += len(got - truth)
+    tally.plan_fn += len(truth - got)
+
+
+def _planner(engine: Engine, use_adapter: bool, max_tokens: int) -> Callable:
+    tok = engine.tokenizer
+
+    def plan(main, messages: list[dict], open_c: list[int]) -> str:
+        fork = main.fork()
+        fork.config.use_adapter = use_adapter
+        history = messages + [{"role": "user", "content": PLAN_TRIGGER}]
+        text = message_texts(tok, history)[-1] + generation_prompt(tok, history)
+        fork.append(tok.encode(text, add_special_tokens=False), kind="user")
+        stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]))
+        return tok.decode(fork.generate(max_tokens, stop_ids=stop), skip_special_tokens=True)
+
+    return plan
+
+
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else float("nan")
+
+
+def summarize(t: Tally, ref: Tally) -> dict:
+    p, r = _ratio(t.tp, t.tp + t.fp), _ratio(t.tp, t.tp + t.fn)
+    f1 = 2 * p * r / (p + r) if p + r > 0 else 0.0
+    out = {"f1": f1, "precision": p, "recall": r, "harmful_rate": _ratio(t.harmful, t.deleted),
+           "parse_fail_rate": _ratio(t.parse_fail, t.calls),
+           "peak_tokens_reduction": 1 - sum(t.peak) / sum(ref.peak),
+           "kv_reads_reduction": 1 - sum(t.kv_reads) / sum(ref.kv_reads),
+           "answer_acc": sum(t.correct) / len(t.correct), "answer_acc_delta": (sum(t.correct) - sum(ref.correct))
+           / len(t.correct), "aux_calls": t.calls, "deleted": t.deleted, "harmful": t.harmful}
+    if t.plan_calls:
+        out.update({"plan_edge_recall": _ratio(t.plan_tp, t.plan_tp + t.plan_fn),
+                    "plan_edge_precision": _ratio(t.plan_tp, t.plan_tp + t.plan_fp),
+                    "plan_parse_fail_rate": _ratio(t.plan_parse_fail, t.plan_calls)})
+    return out
+
+
+def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
+             plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None) -> dict:
+    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces."""
+    tok = engine.tokenizer
+    tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
+    for k, trace in enumerate(traces):
+        replay(engine, trace, every, None, tallies["uncompressed"])
+        for arm in arms:
+            use = arm == "adapter"
+
+            def decide(s, msgs, open_c, use=use):
+                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use)
+
+            replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
+        if progress:
+            progress(f"trace {k + 1}/{len(traces)} ({trace.task_id}): " + ", ".join(
+                f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
+    ref = tallies["uncompressed"]
+    return {**{arm: summarize(tallies[arm], ref) for arm in arms},
+            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "peak_tokens": sum(ref.peak),
+                             "kv_reads": sum(ref.kv_reads)},
+            "n_traces": len(traces), "every": every}

@@ -1,0 +1,58 @@
+"""Manager metrics on hand-checkable deciders (oracle, delete-everything, never) over generated traces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsteward.eval.manager import Tally, replay, summarize
+from kvsteward.models import load_tokenizer, tiny_model
+from kvsteward.serve.aux import AuxDecision
+from kvsteward.serve.engine import Engine
+from kvsteward.synth.generate import generate_traces
+from kvsteward.synth.hindsight import expired
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = load_tokenizer("smollm2")
+    engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)
+    traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
+    assert traces
+    return engine, traces
+
+
+def _run(engine, traces, decide):
+    t = Tally()
+    for tr in traces:
+        replay(engine, tr, 2, decide(tr), t)
+    return t
+
+
+def test_oracle_decider_scores_perfectly_and_reduces_memory(setup):
+    engine, traces = setup
+    ref = _run(engine, traces, lambda tr: None)
+
+    def oracle(tr):
+        def decide(s, msgs, open_c):
+            i = len(msgs)
+            return AuxDecision(sorted(set(expired(tr, i)) & set(open_c)), "", 0)
+        return decide
+
+    t = _run(engine, traces, oracle)
+    out = summarize(t, ref)
+    assert out["f1"] == 1.0 and out["harmful_rate"] == 0.0 and out["parse_fail_rate"] == 0.0
+    assert out["peak_tokens_reduction"] > 0 and out["kv_reads_reduction"] > 0
+
+
+def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
+    engine, traces = setup
+    ref = _run(engine, traces, lambda tr: None)
+    greedy = _run(engine, traces, lambda tr: lambda s, msgs, open_c: AuxDecision(list(open_c), "", 0))
+    out = summarize(greedy, ref)
+    assert out["recall"] == 1.0 and out["precision"] < 1.0 and out["harmful"] > 0
+    never = summarize(_run(engine, traces, lambda tr: lambda s, m, o: AuxDecision([], "", 0)), ref)
+    assert never["recall"] == 0.0 and never["peak_tokens_reduction"] == 0.0 and never["kv_reads_reduction"] == 0.0
+    assert never["answer_acc_delta"] == 0.0
