@@ -80,6 +80,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
+            mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
     for the base model and the adapter as memory manager, on held-out traces."""
@@ -99,4 +100,16 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
     arms = ("base", "adapter") if adapter else ("base",)
     result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log)
+    if mlflow_log:
+        import mlflow
+
+        from kvsteward.runs import stage_run
+
+        with stage_run("manager-eval") as run:
+            mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
+                               "every": every, "traces": len(trs)})
+            mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
+                                if isinstance(v, (int, float)) and v == v})
+            mlflow.log_dict(result, "manager_eval.json")
+        result["mlflow_run_id"] = run.info.run_id
     print(json.dumps(result)) if as_json else console.print_json(json.dumps(result))

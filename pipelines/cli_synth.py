@@ -78,6 +78,7 @@ def hindsight(
 ) -> None:
     """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows) with a card."""
     from kvsteward.models import load_tokenizer
+    from kvsteward.runs import parent_run_id, stage_run
     from kvsteward.synth import dataset as dsm
     from kvsteward.synth.trace import read_traces
 
@@ -95,7 +96,11 @@ def hindsight(
     src = traces_dir if traces_dir.is_dir() else traces_dir.parent
     c = dsm.card(trs, dd, skipped, cfg, str(src.resolve()), lengths)
     dsm.save(dd, out, c)
-    logged = dsm.log_to_mlflow(dd, name=out.name)
+    if parent_run_id():  # inside `steward pipeline run`: log the dataset in this stage's nested run
+        with stage_run("hindsight"):
+            logged = dsm.log_to_mlflow(dd, name=out.name)
+    else:
+        logged = dsm.log_to_mlflow(dd, name=out.name)
     if as_json:
         print(json.dumps({**c, "mlflow_logged": logged}))
     else:

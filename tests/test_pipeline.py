@@ -1,0 +1,42 @@
+"""Pipeline stage caching: a finished stage is skipped, a changed input reruns it and everything downstream."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvsteward.pipelines.pipeline import PipelineConfig, Stage, run_pipeline
+
+
+def _stages(a: int, fail: bool = False) -> list[Stage]:
+    def cmd(name):
+        code = "import json, sys; print('progress'); print(json.dumps({'stage': sys.argv[1]}))"
+        if fail and name == "b":
+            code = "import sys; sys.exit(3)"
+        return lambda out, up: ["-c", code, name]
+
+    return [Stage("a", {"x": a}, [], cmd("a")), Stage("b", {}, ["a"], cmd("b")), Stage("c", {}, [], cmd("c"))]
+
+
+def test_cache_skip_and_invalidation(tmp_path):
+    run = lambda stages: run_pipeline(PipelineConfig(), tmp_path, log=lambda m: None, mlflow_log=False,  # noqa: E731
+                                      stage_list=stages, launcher=[sys.executable])
+    first = run(_stages(1))
+    assert {k: v["cached"] for k, v in first.items()} == {"a": False, "b": False, "c": False}
+    assert first["b"]["result"] == {"stage": "b"}
+    again = run(_stages(1))
+    assert all(v["cached"] for v in again.values())
+    changed = run(_stages(2))  # a's input changed: a and its downstream b rerun, independent c stays cached
+    assert {k: v["cached"] for k, v in changed.items()} == {"a": False, "b": False, "c": True}
+    assert changed["a"]["hash"] != first["a"]["hash"] and changed["b"]["hash"] != first["b"]["hash"]
+
+
+def test_failed_stage_is_not_marked_done_and_resumes(tmp_path):
+    kw = dict(log=lambda m: None, mlflow_log=False, launcher=[sys.executable])
+    with pytest.raises(RuntimeError, match="stage b failed"):
+        run_pipeline(PipelineConfig(), tmp_path, stage_list=_stages(1, fail=True), **kw)
+    done = run_pipeline(PipelineConfig(), tmp_path, stage_list=_stages(1), **kw)
+    assert done["a"]["cached"] and not done["b"]["cached"]
+    assert json.loads((tmp_path / f"b-{done['b']['hash']}" / "stage.json").read_text())["result"] == {"stage": "b"}
