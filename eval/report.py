@@ -182,22 +182,15 @@ def flat_metrics(result: dict) -> dict[str, float]:
 
 
 def log_to_mlflow(result: dict, out_dir: str | Path, params: dict) -> str:
-    """Log params, flattened metrics and everything in `out_dir` to the active MLflow run (or a new one, in the
-    store chosen by `kvsteward.eval.tracking.ensure_tracking`). Returns the run id."""
+    """Log params, flattened metrics and everything in `out_dir` to the active MLflow run, or to a new run in the
+    project's store (nested under the pipeline's run inside `steward pipeline run`). Returns the run id."""
     import mlflow
 
-    from kvsteward.eval.tracking import ensure_tracking
+    from kvsteward.runs import stage_run
 
     _validate(result)
-    active = mlflow.active_run()
-    if active is None:
-        ensure_tracking()
-    run = active or mlflow.start_run(run_name="longsession")
-    try:
+    with stage_run("longsession") as run:
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         mlflow.log_metrics(flat_metrics(result))
         mlflow.log_artifacts(str(out_dir))
-    finally:
-        if active is None:
-            mlflow.end_run()
     return run.info.run_id

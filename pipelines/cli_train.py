@@ -14,6 +14,11 @@ app = typer.Typer(no_args_is_help=True)
 console = Console(stderr=True)
 
 
+def _fail(error: Exception) -> None:
+    console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+    raise typer.Exit(2) from error
+
+
 @app.command()
 def lora(
     data: Path = typer.Option(..., help="hindsight DatasetDict folder (`steward synth hindsight` output)"),
@@ -26,7 +31,7 @@ def lora(
     lambda_kl: float = typer.Option(1.0, help="weight of KL(student ‖ base) on main traces"),
     batch_size: int = typer.Option(2, help="micro-batch size per device"),
     grad_accum: int = typer.Option(1, help="gradient-accumulation steps"),
-    max_len: int = typer.Option(1024, help="rows longer than this are dropped (not truncated)"),
+    max_len: int = typer.Option(4096, help="longer aux rows are dropped, longer main rows left-truncated"),
     deepspeed: str = typer.Option("none", help="none | zero2 | zero3 (launch with torchrun for several ranks)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the last checkpoint in OUT"),
     save_steps: int = typer.Option(50, help="checkpoint every N steps"),
@@ -45,12 +50,15 @@ def lora(
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, mlflow=track)
     try:
+        cfg.check()
+    except ValueError as e:
+        _fail(e)
+    try:
         # Libraries print to stdout (warnings, log dicts); stdout carries only the result.
         with contextlib.redirect_stdout(sys.stderr):
             result = train_lora(cfg, log=lambda m: console.print(f"[yellow]{m}"))
-    except (DataError, QuantizedModelError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}", soft_wrap=True)
-        raise typer.Exit(2) from e
+    except (DataError, QuantizedModelError) as e:  # bad input; anything else keeps its traceback
+        _fail(e)
     if not is_main_process():
         return
     payload = {"mlflow_run_id": result.mlflow_run_id, "adapter_dir": result.adapter_dir,

@@ -1,0 +1,49 @@
+"""`steward train lora` refuses bad input with a clear message (exit code 2), before any training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvsteward.models import tiny_model
+from kvsteward.pipelines.cli import app
+from kvsteward.train.lora import QuantizedModelError, load_base
+from kvsteward.train.toy import random_ids_dataset
+
+
+@pytest.fixture()
+def files(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTEWARD_HOME", str(tmp_path / "home"))
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    random_ids_dataset(rows=20).save_to_disk(str(tmp_path / "ds"))
+    return tmp_path
+
+
+def _run(tmp_path, *extra: str):
+    args = ["train", "lora", "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--max-steps", "1",
+            "--no-mlflow", "--json", *extra]
+    return CliRunner().invoke(app, args)
+
+
+def test_model_still_marked_quantized_is_refused(files):
+    cfg_path = files / "tiny" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {"quant_method": "gguf"}  # what a GGUF load leaves behind
+    cfg_path.write_text(json.dumps(cfg))
+    res = _run(files, "--model", str(files / "tiny"))
+    assert res.exit_code == 2
+    assert "marked quantized" in res.stderr and "steward models pull" in res.stderr
+    assert res.stdout == ""
+    with pytest.raises(QuantizedModelError):
+        load_base(str(files / "tiny"))
+
+
+def test_missing_dataset_and_bad_options_are_named(files):
+    res = _run(files, "--model", str(files / "tiny"), "--data", str(files / "nowhere"))
+    assert res.exit_code == 2 and "does not exist" in res.stderr
+    res = _run(files, "--model", str(files / "tiny"), "--deepspeed", "zero5")
+    assert res.exit_code == 2 and "deepspeed must be none, zero2 or zero3" in res.stderr
+    res = _run(files, "--model", str(files / "tiny"), "--max-len", "8")
+    assert res.exit_code == 2 and "raise --max-len" in res.stderr

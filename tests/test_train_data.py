@@ -1,0 +1,97 @@
+"""Training data: collator padding, length filter, dataset checks, the toy chat dataset's labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from kvsteward.train.data import Collator, DataError, check_vocab, fit_length, load_splits
+from kvsteward.train.toy import chat_dataset, random_ids_dataset
+
+
+def test_collator_pads_labels_with_ignore_and_keeps_is_aux():
+    rows = [{"input_ids": [4, 5, 6], "labels": [-100, 5, 6], "is_aux": True, "kind": "delete", "messages": "[]"},
+            {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, -100, -100, 10, 11], "is_aux": False, "kind": "main",
+             "messages": "[]"}]
+    batch = Collator(pad_id=2)(rows)
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "is_aux"}
+    assert batch["input_ids"].tolist() == [[4, 5, 6, 2, 2], [7, 8, 9, 10, 11]]
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100, -100], [-100, -100, -100, 10, 11]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["is_aux"].dtype == torch.bool and batch["is_aux"].tolist() == [True, False]
+
+
+def test_collator_rejects_misaligned_labels():
+    with pytest.raises(DataError, match="3 input_ids but 2 labels"):
+        Collator(pad_id=0)([{"input_ids": [1, 2, 3], "labels": [1, 2], "is_aux": True}])
+
+
+def test_fit_length_drops_long_aux_rows_and_left_truncates_main_rows():
+    ids = [list(range(5)), list(range(9)), list(range(4)), list(range(12)), list(range(10))]
+    labels = [[-100] * 3 + [3, 4], [-100] * 7 + [7, 8], [-100, -100, 2, 3],
+              [-100] * 4 + list(range(4, 8)) + [-100] * 4,  # main, labelled tokens 4..7: survive a cut to 8
+              [-100, 1] + [-100] * 8]  # main, only token 1 labelled: nothing left after the cut → dropped
+    ds = Dataset.from_dict({"input_ids": ids, "labels": labels, "is_aux": [True, True, False, False, False],
+                            "kind": ["delete", "plan", "main", "main", "main"]})
+    kept, dropped, truncated = fit_length(ds, max_len=8)
+    assert kept["input_ids"] == [list(range(5)), list(range(4)), list(range(4, 12))]
+    assert kept["labels"][2] == list(range(4, 8)) + [-100] * 4  # labels cut with their tokens
+    assert dropped == {"plan": 1, "main": 1} and truncated == 1
+    with pytest.raises(DataError, match="no auxiliary"):
+        fit_length(ds.select([2, 3]), max_len=20)
+    with pytest.raises(DataError, match="no row of 2 fits max_len=3"):
+        fit_length(ds.select([0, 1]), max_len=3)
+
+
+def test_load_splits_names_what_is_wrong(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_splits(tmp_path / "nope")
+    DatasetDict({"validation": Dataset.from_dict({"input_ids": [[1]], "labels": [[1]], "is_aux": [True]})}) \
+        .save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(DataError, match="'train' split is required"):
+        load_splits(tmp_path / "no_train")
+    DatasetDict({"train": Dataset.from_dict({"input_ids": [[1]], "labels": [[1]]})}).save_to_disk(str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"lacks columns \['is_aux'\]"):
+        load_splits(tmp_path / "c")
+    random_ids_dataset(rows=20).save_to_disk(str(tmp_path / "ok"))
+    ds = load_splits(tmp_path / "ok")
+    assert set(ds) == {"train", "validation", "test"}
+
+
+def test_check_vocab_catches_a_dataset_for_another_model():
+    ds = Dataset.from_dict({"input_ids": [[1, 299], [3]], "labels": [[1, 299], [3]], "is_aux": [True, False]})
+    check_vocab(ds, 300)
+    with pytest.raises(DataError, match="token id 299 but the model's vocabulary has 256"):
+        check_vocab(ds, 256)
+
+
+def test_random_ids_dataset_shape():
+    ds = random_ids_dataset(rows=40)
+    train = ds["train"]
+    for row in train:
+        assert len(row["labels"]) == len(row["input_ids"])
+        marked = [t for t in row["labels"] if t != -100]
+        if row["is_aux"]:
+            assert marked == [5, 6, 7, 8] and row["input_ids"][-4:] == [5, 6, 7, 8]
+        else:
+            assert marked == row["input_ids"][len(row["input_ids"]) - len(marked):] and marked
+
+
+def test_chat_dataset_labels_exactly_the_assistant_json():
+    from kvsteward.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    ds = chat_dataset(tok, rows=10, cursors=(4, 6), words=(3, 5), seed=1)
+    rows = [r for split in ds.values() for r in split]
+    assert {r["kind"] for r in rows} == {"delete", "main"}
+    for r in rows:
+        answer = json.loads(r["messages"])[-1]["content"]
+        labelled = tok.decode([t for t in r["labels"] if t != -100])
+        assert labelled.startswith(answer) and labelled[len(answer):].strip() in ("<|im_end|>", "")
+        if r["is_aux"]:
+            closed = [int(line.split(":")[0].split()[1]) for line in json.loads(r["messages"])[0]["content"]
+                      .splitlines() if line.endswith("closed")]
+            assert json.loads(answer) == {"del_cursors": closed}

@@ -1,0 +1,65 @@
+"""Trainer callbacks: per-step MLflow metrics into the run we started, and a rich progress bar on stderr."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import TrainerCallback
+
+
+class MlflowMetrics(TrainerCallback):
+    """Log every numeric entry of each Trainer log (loss, ce_aux, kl_main, lr, grad_norm, ...) at its global step.
+
+    Used instead of HF's MLflowCallback: that one re-logs ~100 config params per start (a resumed run with one
+    changed value then fails: MLflow params are immutable) and, with HF_MLFLOW_LOG_ARTIFACTS, turns checkpoints into
+    LoggedModels rather than run artifacts.
+    """
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        import mlflow
+
+        metrics = {k: float(v) for k, v in logs.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        if metrics:
+            mlflow.log_metrics(metrics, step=state.global_step)
+
+
+class RichProgress(TrainerCallback):
+    """Progress bar (stderr, world process zero only) with the latest loss parts."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self.progress: Progress | None = None
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                 console=Console(stderr=True))
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.max_steps, completed=state.global_step, info="")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.progress is None or not logs or "loss" not in logs:
+            return
+        parts = [f"{k}={logs[k]:.4f}" for k in ("loss", "ce_aux", "kl_main") if k in logs]
+        self.progress.update(self.task, completed=state.global_step, info=" ".join(parts))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Stop the live display (also after an aborted run: rich allows one live display per process)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

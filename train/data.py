@@ -1,0 +1,105 @@
+"""Training data: the pre-tokenized hindsight `DatasetDict` (input_ids, labels, is_aux, kind, ...) and its collator."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from kvsteward.train.loss import IGNORE
+
+REQUIRED = ("input_ids", "labels", "is_aux")
+
+
+class DataError(ValueError):
+    """The training dataset is missing, malformed, or empty after filtering."""
+
+
+def load_splits(path: str | Path) -> DatasetDict:
+    """Load a `DatasetDict` saved with `save_to_disk` and check the columns the trainer needs."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"dataset folder {path} does not exist (make it with `steward synth hindsight`)")
+    ds = load_from_disk(str(path))
+    if isinstance(ds, Dataset):
+        raise DataError(f"{path} holds a single Dataset; expected a DatasetDict with a 'train' split")
+    if "train" not in ds:
+        raise DataError(f"{path} has splits {sorted(ds)}; a 'train' split is required")
+    for name, split in ds.items():
+        missing = [c for c in REQUIRED if c not in split.column_names]
+        if missing:
+            raise DataError(f"split {name!r} of {path} lacks columns {missing} (has {split.column_names})")
+    return ds
+
+
+def check_vocab(ds: Dataset, vocab_size: int) -> None:
+    """Token ids must index the model's embedding: a dataset tokenized for another model fails here, not deep in C."""
+    top = max((max(ids) for ids in ds["input_ids"] if ids), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"dataset has token id {top} but the model's vocabulary has {vocab_size} entries: "
+                        "was it tokenized for another model?")
+
+
+def fit_length(ds: Dataset, max_len: int) -> tuple[Dataset, Counter, int]:
+    """Fit rows to `max_len` tokens the way `steward synth hindsight` does.
+
+    Aux rows that are too long are dropped: cutting the front would lose cursors the JSON target refers to, cutting
+    the end would lose the target. Main rows keep their last `max_len` tokens (left truncation): the KL term still
+    applies to the remaining assistant tokens, with teacher and student seeing the same shortened context; a main row
+    left without any labelled token is dropped. Returns (rows, dropped rows per kind, number of truncated main rows).
+    """
+    if max_len < 2:
+        raise DataError(f"max_len must be ≥ 2, got {max_len}")
+    lengths = [len(x) for x in ds["input_ids"]]
+    kinds = ds["kind"] if "kind" in ds.column_names else ["aux" if a else "main" for a in ds["is_aux"]]
+    aux = ds["is_aux"]
+    long_main = {i for i, n in enumerate(lengths) if n > max_len and not aux[i]}
+    keep = [i for i, n in enumerate(lengths) if n >= 2 and (n <= max_len or i in long_main)]
+    kept = ds.select(keep)
+
+    def cut(row: dict) -> dict:
+        if len(row["input_ids"]) > max_len:
+            row["input_ids"], row["labels"] = row["input_ids"][-max_len:], row["labels"][-max_len:]
+        return row
+
+    if long_main:
+        kept = kept.map(cut)
+        labelled = [i for i, labels in enumerate(kept["labels"]) if any(t != IGNORE for t in labels)]
+        kept = kept.select(labelled)
+    kept_ids = set(keep) if not long_main else {keep[i] for i in labelled}
+    dropped = Counter(kinds[i] for i in range(len(ds)) if i not in kept_ids)
+    if len(kept) == 0:
+        raise DataError(f"no row of {len(ds)} fits max_len={max_len} (lengths {min(lengths)}..{max(lengths)}); "
+                        "raise --max-len")
+    if not any(kept["is_aux"]):
+        raise DataError(f"no auxiliary (is_aux) row fits max_len={max_len}: nothing to learn; raise --max-len")
+    return kept, dropped, len(long_main & kept_ids)
+
+
+@dataclass
+class Collator:
+    """Right-pads `input_ids` (pad id), `labels` (−100) and `attention_mask` (0); keeps `is_aux` as a bool tensor.
+
+    Other columns (kind, messages, ...) are dropped here, which is why the Trainer runs with
+    `remove_unused_columns=False`: its own column filter would remove `is_aux` before this sees it.
+    """
+
+    pad_id: int
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            if len(r["labels"]) != n:
+                raise DataError(f"row {i}: {n} input_ids but {len(r['labels'])} labels")
+            ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.long)
+            mask[i, :n] = 1
+        is_aux = torch.tensor([bool(r["is_aux"]) for r in rows], dtype=torch.bool)
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, "is_aux": is_aux}

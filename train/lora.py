@@ -1,0 +1,223 @@
+"""`train_lora`: one LoRA + distillation training run, end to end (data → PEFT model → Trainer → adapter → MLflow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvsteward.train.data import Collator, check_vocab, fit_length, load_splits
+
+
+class QuantizedModelError(ValueError):
+    """The model still carries quantizer markers: Trainer cannot update it and the teacher would not be the base."""
+
+
+@dataclass
+class LoraRunConfig:
+    data: str
+    out: str
+    model: str = "smollm2"
+    max_steps: int = 100
+    lr: float = 2e-4
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    lambda_kl: float = 1.0
+    batch_size: int = 2
+    grad_accum: int = 1
+    max_len: int = 4096  # = `steward synth hindsight --max-tokens` default: nothing dropped unless asked
+    deepspeed: str = "none"  # none | zero2 | zero3
+    resume: bool = False
+    save_steps: int = 50
+    seed: int = 0
+    tile_rows: int = 1024
+    bf16: bool = False
+    mlflow: bool = True
+    experiment: str = "kvsteward"
+    register: bool = True
+    callbacks: list = field(default_factory=list)  # extra TrainerCallbacks (tests use one to abort a run)
+
+    def check(self) -> None:
+        bad = [f"{k} must be ≥ 1 (got {getattr(self, k)})" for k in
+               ("max_steps", "rank", "batch_size", "grad_accum", "save_steps", "tile_rows") if getattr(self, k) < 1]
+        if self.lr <= 0:
+            bad.append(f"lr must be > 0 (got {self.lr})")
+        if self.lambda_kl < 0:
+            bad.append(f"lambda_kl must be ≥ 0 (got {self.lambda_kl})")
+        if self.deepspeed not in ("none", "zero2", "zero3"):
+            bad.append(f"deepspeed must be none, zero2 or zero3 (got {self.deepspeed!r})")
+        if bad:
+            raise ValueError("; ".join(bad))
+
+
+@dataclass
+class LoraRunResult:
+    mlflow_run_id: str | None
+    adapter_dir: str
+    final_ce_aux: float | None
+    final_kl_main: float | None
+    steps: int
+    steps_this_process: int
+    seconds_per_step: float | None
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _refuse_quantized(config_or_model, where: str) -> None:
+    model_marks = getattr(config_or_model, "is_quantized", False) or getattr(config_or_model, "hf_quantizer", None)
+    config = getattr(config_or_model, "config", config_or_model)
+    if model_marks or getattr(config, "quantization_config", None) is not None:
+        raise QuantizedModelError(
+            f"{where} is marked quantized (quantization_config / hf_quantizer): LoRA distillation needs a plain "
+            "float model as its base. Convert it once (for the embedded model: `steward models pull smollm2`) and "
+            "train from the resulting safetensors folder.")
+
+
+def load_base(model: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer or None, resolved path). `model`: `smollm2`, a local folder, or a hub id."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvsteward.models import resolve
+
+    path = resolve(model)
+    _refuse_quantized(AutoConfig.from_pretrained(path), f"model {model!r} ({path})")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    _refuse_quantized(base, f"model {model!r} ({path})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # tiny test models ship without one; only the pad id is needed
+    return base, tokenizer, path
+
+
+def _pad_id(tokenizer, config) -> int:
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0  # padding sits outside the attention mask and the labels: any valid id works
+
+
+def wrap_lora(base, cfg: LoraRunConfig):
+    """LoRA on every linear projection of attention and MLP (peft's `all-linear` excludes the LM head)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
+def training_args(cfg: LoraRunConfig, ckpt_dir: Path):
+    from transformers import TrainingArguments
+
+    from kvsteward.train.deepspeed import config_path, init_cpu_state, prepare_launch_env
+
+    ds = config_path(cfg.deepspeed)
+    extra = {}
+    if ds is not None:
+        prepare_launch_env()
+        if init_cpu_state():
+            extra["accelerator_config"] = {"use_configured_state": True}
+    return TrainingArguments(
+        output_dir=str(ckpt_dir), max_steps=cfg.max_steps, learning_rate=cfg.lr,
+        per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum, lr_scheduler_type="cosine", warmup_steps=0,
+        logging_steps=1, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=3,
+        seed=cfg.seed, data_seed=cfg.seed, bf16=cfg.bf16, deepspeed=str(ds) if ds else None,
+        remove_unused_columns=False, label_names=["labels"], report_to="none", disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(), dataloader_num_workers=0, **extra)
+
+
+def _params(cfg: LoraRunConfig, path: str, peft_model, n_train: int, dropped, truncated: int) -> dict:
+    p = {k: v for k, v in asdict(cfg).items() if k not in ("callbacks", "out", "mlflow", "register")}
+    trainable = sum(x.numel() for x in peft_model.parameters() if x.requires_grad)
+    targets = {m.split(".")[-1] for m in peft_model.peft_config["default"].target_modules}  # full names → kinds
+    p.update(model_path=path, train_rows=n_train, dropped_too_long=json.dumps(dict(dropped)),
+             truncated_main_rows=truncated,
+             target_modules=",".join(sorted(targets)),
+             trainable_params=trainable, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return p
+
+
+def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
+    """Train, save the adapter to `<out>/adapter`, log everything to MLflow (rank 0). Resumable with `cfg.resume`."""
+    from transformers import set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from kvsteward.train.callbacks import MlflowMetrics, RichProgress
+    from kvsteward.train.trainer import StewardTrainer
+
+    cfg.check()
+    out = Path(cfg.out).expanduser().resolve()
+    ckpt_dir, adapter_dir = out / "checkpoints", out / "adapter"
+    set_seed(cfg.seed)
+    args = training_args(cfg, ckpt_dir)  # before the model: under ZeRO-3 it makes from_pretrained partition weights
+
+    splits = load_splits(cfg.data)
+    train, dropped, truncated = fit_length(splits["train"], cfg.max_len)
+    if dropped or truncated:
+        log(f"max_len={cfg.max_len}: dropped {dict(dropped) or 'none'}, left-truncated {truncated} main rows")
+    base, tokenizer, path = load_base(cfg.model)
+    check_vocab(train, base.config.vocab_size)
+    model = wrap_lora(base, cfg)
+
+    last = get_last_checkpoint(str(ckpt_dir)) if cfg.resume and ckpt_dir.is_dir() else None
+    if cfg.resume and last is None:
+        log(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
+    main = is_main_process()
+    tracking = cfg.mlflow and main
+    run = None
+    if tracking:
+        import mlflow
+
+        from kvsteward.train import tracking as trk
+
+        trk.ensure_tracking(cfg.experiment)
+        run = trk.start_run(out, resume=last is not None, run_name=out.name)
+        trk.log_params_once(_params(cfg, path, model, len(train), dropped, truncated))
+        if last is None:
+            trk.log_dataset(train, name=f"{Path(cfg.data).name}:train", source=str(Path(cfg.data).resolve()))
+        else:
+            mlflow.set_tag("resumed_from", Path(last).name)
+
+    progress = RichProgress(cfg.max_steps)
+    callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + list(cfg.callbacks)
+    trainer = StewardTrainer(model=model, args=args, train_dataset=train, data_collator=Collator(_pad_id(tokenizer,
+                             base.config)), lambda_kl=cfg.lambda_kl, tile_rows=cfg.tile_rows, callbacks=callbacks)
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout, which carries the CLI's JSON
+    try:
+        start_step = 0 if last is None else int(Path(last).name.split("-")[-1])
+        t0 = time.perf_counter()
+        trainer.train(resume_from_checkpoint=last)
+        elapsed = time.perf_counter() - t0
+        trainer.save_model(str(adapter_dir))  # gathers ZeRO-3 shards; PEFT writes only the adapter
+        if main:
+            (adapter_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle: not part of the deliverable
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(adapter_dir))
+        if tracking:
+            trk.log_adapter(adapter_dir, register=cfg.register)
+            mlflow.end_run()
+    except BaseException:
+        if tracking and mlflow.active_run():
+            mlflow.end_run(status="FAILED")
+        raise
+    finally:
+        progress.close()
+    done = trainer.state.global_step - start_step
+    return LoraRunResult(
+        mlflow_run_id=run.info.run_id if run else None, adapter_dir=str(adapter_dir),
+        final_ce_aux=trainer.last_parts.get("ce_aux"), final_kl_main=trainer.last_parts.get("kl_main"),
+        steps=trainer.state.global_step, steps_this_process=done,
+        seconds_per_step=elapsed / done if done else None)

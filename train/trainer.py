@@ -1,0 +1,135 @@
+"""`StewardTrainer`: a `transformers.Trainer` whose loss is CE(aux targets) + λ·KL(student ‖ teacher)(main traces).
+
+The teacher is the same PEFT model with its adapter disabled (`disable_adapter()`), so there is no second copy of
+the weights; its forward runs on every micro-batch on every rank, even when the batch holds no main row, because
+ZeRO-3 gathers parameters collectively and ranks that call the model a different number of times deadlock.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from kvsteward.train.loss import ce_sum, kl_sum, target_positions
+
+
+class HeadMismatchError(RuntimeError):
+    """The model's logits are not `lm_head(decoder output)` (e.g. soft-capped), so gathered-row logits would lie."""
+
+
+class StewardTrainer(Trainer):
+    # compute_loss returns a per-micro-batch mean: let Trainer divide by the gradient-accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, lambda_kl: float = 1.0, tile_rows: int = 1024, kl_temperature: float = 1.0,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        if lambda_kl < 0:
+            raise ValueError(f"lambda_kl must be ≥ 0, got {lambda_kl}")
+        if tile_rows < 1:
+            raise ValueError(f"tile_rows must be ≥ 1, got {tile_rows}")
+        self.lambda_kl = lambda_kl
+        self.tile_rows = tile_rows
+        self.kl_temperature = kl_temperature
+        self._head_checked = False
+        # Running sums over the current logging window: [ce sum, ce batches, kl sum, kl batches] (kept on device,
+        # no per-step host sync).
+        self._window: torch.Tensor | None = None
+        self.last_parts: dict[str, float] = {}
+
+    # -- forward passes -------------------------------------------------------------------------------------------
+    def _hidden(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final (post-norm) hidden states, caught at the decoder's output by a hook.
+
+        The model runs whole (so DeepSpeed's engine and hooks see an ordinary forward) but computes logits for the
+        last position only; `output_hidden_states` would instead keep every layer's states alive, which for the
+        no-grad teacher is pure waste.
+        """
+        caught: list[torch.Tensor] = []
+        decoder = self._peft().get_base_model().get_decoder()
+        handle = decoder.register_forward_hook(lambda _m, _i, out: caught.append(out[0]))
+        try:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        finally:
+            handle.remove()
+        hidden = caught[-1]
+        if not self._head_checked:
+            self._check_head(hidden, out.logits)
+        return hidden
+
+    def _check_head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        with torch.no_grad():
+            ours = self._head()(hidden[:, -1:]).float()
+        if not torch.allclose(ours, logits.float(), atol=1e-4, rtol=1e-3):
+            raise HeadMismatchError(
+                "the model's logits differ from lm_head(decoder output) (logit soft-capping or scaling?); "
+                "the gathered-row loss supports plain LM heads only")
+        self._head_checked = True
+
+    def _peft(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def _head(self):
+        return self._peft().get_output_embeddings()
+
+    def _teacher_hidden(self, model, inputs: dict, main_rows: torch.Tensor) -> torch.Tensor:
+        """Teacher hidden states for the main rows (or row 0 when there is none: the call itself must happen)."""
+        sel = main_rows.nonzero(as_tuple=True)[0]
+        if sel.numel() == 0:
+            sel = torch.zeros(1, dtype=torch.long, device=main_rows.device)
+        peft = self._peft()
+        was_training = peft.training
+        peft.eval()  # the teacher is the deterministic base model: no dropout
+        try:
+            with torch.no_grad(), peft.disable_adapter():
+                hidden = self._hidden(model, inputs["input_ids"][sel], inputs["attention_mask"][sel])
+        finally:
+            peft.train(was_training)
+        full = hidden.new_zeros((main_rows.shape[0],) + hidden.shape[1:])
+        full[sel] = hidden
+        return full
+
+    # -- loss -----------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels, is_aux = inputs["labels"], inputs["is_aux"].bool()
+        student = self._hidden(model, inputs["input_ids"], inputs["attention_mask"])
+        teacher = self._teacher_hidden(model, inputs, ~is_aux)
+        head = self._head()
+
+        ab, at, ay = target_positions(labels, is_aux)
+        ce = ce_sum(head, student[ab, at], ay, self.tile_rows) / max(ab.numel(), 1)
+        mb, mt, _ = target_positions(labels, ~is_aux)
+        kl = kl_sum(head, student[mb, mt], teacher[mb, mt], self.tile_rows, self.kl_temperature)
+        kl = kl / max(mb.numel(), 1)
+        # `+ 0·sum(student)` keeps every trainable parameter in the graph when a batch has no labelled token at all.
+        loss = ce + self.lambda_kl * kl + 0.0 * student.sum()
+
+        self._accumulate(ce.detach(), ab.numel() > 0, kl.detach(), mb.numel() > 0)
+        return (loss, {"ce_aux": ce.detach(), "kl_main": kl.detach()}) if return_outputs else loss
+
+    # -- logging --------------------------------------------------------------------------------------------------
+    def _accumulate(self, ce: torch.Tensor, has_ce: bool, kl: torch.Tensor, has_kl: bool) -> None:
+        step = torch.stack([ce * has_ce, ce.new_tensor(float(has_ce)), kl * has_kl, kl.new_tensor(float(has_kl))])
+        self._window = step.double() if self._window is None else self._window + step.double()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training-step log; every rank reaches it, so the all-reduce below is safe
+            window = self._window if self._window is not None else torch.zeros(4, dtype=torch.float64)
+            if self.args.world_size > 1:
+                window = self.accelerator.reduce(window.to(self.args.device), reduction="sum")
+            self._window = None
+            ce_s, ce_n, kl_s, kl_n = window.tolist()
+            if ce_n:
+                logs["ce_aux"] = self.last_parts["ce_aux"] = ce_s / ce_n
+            if kl_n:
+                logs["kl_main"] = self.last_parts["kl_main"] = kl_s / kl_n
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Evaluation: the same joint loss and no logits (they would be batch × time × vocab); the training-log window
+        # is left untouched.
+        saved = self._window
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        self._window = saved
+        return loss.detach(), None, None
