@@ -39,29 +39,60 @@ def traces(
     recap_rate: float = typer.Option(0.5, help="share of final answers that restate every fact found"),
     world_size: int = typer.Option(2000, help="documents per split world"),
     top_k: int = typer.Option(5, help="search results per query"),
+    source: str = typer.Option("research", help="research (multi-hop tool use) | longsession (benchmark sessions)"),
+    length: int = typer.Option(16384, help="longsession: session context length in tokens (measured with --model)"),
+    distances: str = typer.Option("", help="longsession: comma-separated distances per seed (default length/4)"),
+    chunk_tokens: int = typer.Option(2000, help="longsession: tokens per stdlib filler chunk (= per cursor)"),
+    model: str = typer.Option("smollm2", help="longsession: tokenizer that measures the session length"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
-    """Generate correct multi-hop ReAct traces with exact provenance (one world per split)."""
+    """Generate correct traces with exact provenance: multi-hop research (one world per split) or long sessions."""
     from kvsteward.synth.generate import generate_traces, generation_meta
     from kvsteward.synth.solver import TraceConfig
     from kvsteward.synth.trace import write_traces
 
-    cfg = TraceConfig(min_hops=min_hops, max_hops=max_hops, page_words=page_words, doc_words=doc_words,
-                      detour_rate=detour_rate, top_k=top_k, compare_rate=compare_rate, recap_rate=recap_rate,
-                      world_size=world_size)
     t0 = time.perf_counter()
-    try:
-        with _progress() as p:
-            job = p.add_task("solving tasks", total=tasks)
-            result = generate_traces(tasks, seed, cfg, progress=lambda n: p.update(job, completed=n))
-    except ValueError as e:
-        _fail(str(e))
-    path = write_traces(out, result, generation_meta(tasks, seed, cfg))
+    if source == "longsession":
+        result, meta = _longsession_traces(tasks, seed, length, distances, chunk_tokens, model)
+    elif source == "research":
+        cfg = TraceConfig(min_hops=min_hops, max_hops=max_hops, page_words=page_words, doc_words=doc_words,
+                          detour_rate=detour_rate, top_k=top_k, compare_rate=compare_rate, recap_rate=recap_rate,
+                          world_size=world_size)
+        try:
+            with _progress() as p:
+                job = p.add_task("solving tasks", total=tasks)
+                result = generate_traces(tasks, seed, cfg, progress=lambda n: p.update(job, completed=n))
+        except ValueError as e:
+            _fail(str(e))
+        meta = generation_meta(tasks, seed, cfg)
+    else:
+        _fail(f"unknown --source {source!r}: use research or longsession")
+    path = write_traces(out, result, meta)
     summary = {"traces": len(result), "path": str(path), "wall_s": round(time.perf_counter() - t0, 2),
                "splits": {s: sum(t.split == s for t in result) for s in ("train", "validation", "test")},
                "mean_messages": sum(len(t.messages) for t in result) / len(result),
                "mean_cursors": sum(len(t.cursors()) for t in result) / len(result)}
     print(json.dumps(summary) if as_json else f"wrote {len(result)} traces to {path}")
+
+
+def _longsession_traces(tasks: int, seed: int, length: int, distances: str, chunk_tokens: int, model: str):
+    """(traces, meta) of `--source longsession`: benchmark sessions re-expressed as traces."""
+    from kvsteward.models import load_tokenizer
+    from kvsteward.synth import longsession_traces as lst
+
+    try:
+        ds = lst.resolve_distances(length, [int(x) for x in distances.split(",") if x.strip()])
+    except ValueError as e:
+        _fail(f"--distances {distances!r}: {e}")
+    tok = load_tokenizer(model)
+    try:
+        with _progress() as p:
+            job = p.add_task("generating sessions", total=tasks)
+            result = lst.longsession_traces(tok, tasks, length, seed, ds, chunk_tokens,
+                                            progress=lambda n: p.update(job, completed=n))
+    except (ValueError, RuntimeError) as e:  # RuntimeError: the stdlib ran out of filler chunks
+        _fail(str(e))
+    return result, lst.generation_meta(tasks, seed, length, ds, chunk_tokens, model)
 
 
 @synth_app.command()
