@@ -9,7 +9,15 @@ import typer
 # Thread count is the user's to set; only default it so 2-core machines are not oversubscribed by tokenizers.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from kvsteward.pipelines import cli_engine, cli_eval, cli_models, cli_pipeline, cli_synth, cli_train  # noqa: E402
+from kvsteward.pipelines import (  # noqa: E402
+    cli_engine,
+    cli_eval,
+    cli_models,
+    cli_pipeline,
+    cli_serve,
+    cli_synth,
+    cli_train,
+)
 
 app = typer.Typer(help="kvsteward: learned KV-cache memory manager — synth → train → serve/eval.", no_args_is_help=True)
 app.add_typer(cli_models.app, name="models", help="Provision models (embedded SmolLM2, local folders, hub ids).")
@@ -19,6 +27,7 @@ app.add_typer(cli_synth.synth_app, name="synth", help="Trace synthesis, hindsigh
 app.add_typer(cli_synth.plan_app, name="plan", help="Planner dependency extraction.")
 app.add_typer(cli_train.app, name="train", help="Train the learned memory manager (LoRA + distillation).")
 app.add_typer(cli_eval.app, name="eval", help="Long-session benchmark and learned-manager metrics.")
+app.add_typer(cli_serve.app, name="serve", help="Serve over HTTP: OpenAI-compatible + AKV cache ops + sessions.")
 app.add_typer(cli_pipeline.app, name="pipeline", help="The end-to-end pipeline, cached by input hash and resumable.")
 
 if __name__ == "__main__":

@@ -73,8 +73,13 @@ def normalize_messages(messages: Any, where: str = "messages", allow_empty: bool
 def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    if tools is not None and not isinstance(tools, list):
+        raise OpsError("tools must be a list of tool definitions", "tools")
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template refusing the conversation (role order, tool format): the client's input
+        raise OpsError(f"the chat template refused these messages: {type(e).__name__}: {e}", "messages") from e
 
 
 def message_pieces(tokenizer, messages: list[dict], tools: list | None = None, start: int = 0) -> list[list[int]]:
@@ -303,8 +308,19 @@ def session_spec(engine, defaults: SessionSpec, policy: Any = None, budget: Any 
             raise OpsError("policy 'full' keeps everything: bounded positions (limit) need an evicting policy",
                            "limit")
         spec = SessionSpec(policy="full", chunk=spec.chunk, blueprint=spec.blueprint)
-    try:
-        spec.new_session(engine)
-    except ValueError as e:  # CacheOpError / unknown arm settings: name the problem
-        raise OpsError(str(e), "policy") from e
+    problem = _VALIDATED.get(spec, "?")
+    if problem == "?":
+        try:
+            spec.new_session(engine)  # the engine's own checks (arms, budget, L > B + H), done once per spec
+            problem = None
+        except ValueError as e:  # CacheOpError / unknown arm settings: name the problem
+            problem = str(e)
+        if len(_VALIDATED) > 4096:
+            _VALIDATED.clear()
+        _VALIDATED[spec] = problem
+    if problem is not None:
+        raise OpsError(problem, "policy")
     return spec
+
+
+_VALIDATED: dict[SessionSpec, str | None] = {}  # spec -> None (valid) or the engine's refusal; specs are engine-free

@@ -15,6 +15,7 @@ Idle sessions beyond `max_bytes` of KV are unloaded LRU and rebuilt from their l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -95,6 +96,16 @@ class SessionLog:
         return records
 
 
+def model_fingerprint(engine) -> str:
+    """Identity of the model a log was written with: config, dtype and two weight checksums (a replay on other
+    weights would silently compute another state)."""
+    model = engine.model.get_base_model() if hasattr(engine.model, "get_base_model") else engine.model  # main
+    params = list(model.parameters())  # threads run the base model: an aux-thread LoRA adapter does not count
+    sums = [float(p.detach().double().sum()) for p in (params[0], params[-1])]
+    text = model.config.to_json_string(use_diff=False) + str(engine.dtype) + repr(sums)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 # -- replay ---------------------------------------------------------------------------------------------------------
 def replay(session, ops: list[dict]) -> None:
     """Re-run persisted engine history entries on `session` (evict / renumber are re-derived, not replayed)."""
@@ -161,6 +172,7 @@ class SessionStore:
         self.limits = limits
         self._records: dict[str, Record] = {}
         self._guard = threading.Lock()
+        self.fingerprint = model_fingerprint(engine)
         self._known = {p.stem for p in self.root.glob("sess_*.jsonl") if ID_RE.match(p.stem)}
         self.metrics.sessions_known.set(len(self._known))
 
@@ -175,7 +187,7 @@ class SessionStore:
         sid = "sess_" + uuid.uuid4().hex[:24]
         rec = Record(sid, spec, tools, int(time.time()), SessionLog(self.root / f"{sid}.jsonl"))
         rec.log.append({"type": "create", "v": 1, "id": sid, "created": rec.created, "spec": spec.as_json(),
-                        "tools": tools})
+                        "tools": tools, "model": self.fingerprint})
         rec.session = spec.new_session(self.engine)
         with self._guard:
             self._records[sid] = rec
@@ -234,6 +246,9 @@ class SessionStore:
         if not records or records[0].get("type") != "create":
             raise RebuildError(f"session {sid}: log has no create record")
         head = records[0]
+        if head.get("model") != self.fingerprint:
+            raise RebuildError(f"session {sid} was created with model {head.get('model')}; this server runs "
+                               f"{self.fingerprint}: its history would replay to a different state")
         s = head["spec"]
         spec = SessionSpec(policy=s["policy"], budget=s["budget"], limit=s["limit"], chunk=s["chunk"],
                            blueprint=resolve_blueprint(s["blueprint"], None))
@@ -249,8 +264,11 @@ class SessionStore:
         messages: list[dict] = []
         dropped: set[int] = set()
         for t in turns:
-            with self.lock:  # hold the engine for a whole turn: replay is a burst of forwards
-                replay(session, t["ops"])
+            try:
+                with self.lock:  # hold the engine for a whole turn: replay is a burst of forwards
+                    replay(session, t["ops"])
+            except (ValueError, KeyError, TypeError) as e:  # CacheOpError included: a log the engine refuses
+                raise RebuildError(f"session {rec.id}: turn {t.get('turn')} does not replay: {e}") from e
             expected.extend(t["ops"])
             messages.extend(t["messages"])
             for js in t["cache"].get("drop", {}).values():

@@ -1,0 +1,58 @@
+"""`steward serve`: the HTTP server (OpenAI-compatible chat completions with AKV cache ops, persistent sessions,
+Prometheus metrics). Mount with `app.add_typer(cli_serve.app, name="serve")`; also runnable as
+`python -m kvsteward.pipelines.cli_serve --model ...`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Serve a model over HTTP (OpenAI-compatible + AKV cache ops + persistent sessions).")
+console = Console(stderr=True)
+
+
+@app.callback(invoke_without_command=True)
+def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a local HF folder, or a hub id"),
+          host: str = typer.Option("127.0.0.1", help="bind address"),
+          port: int = typer.Option(8000, help="TCP port"),
+          policy: str = typer.Option("full", help="default policy / arm for requests that name none"),
+          budget: int = typer.Option(None, help="default budget B (evicting policies)"),
+          limit: int = typer.Option(None, help="default bounded-position limit L"),
+          chunk: int = typer.Option(512, help="prefill chunk H"),
+          max_body_bytes: int = typer.Option(8 << 20, help="largest accepted request body (413 beyond)"),
+          cache_bytes: int = typer.Option(2 << 30, help="prefix-cache memory (LRU eviction beyond)"),
+          session_bytes: int = typer.Option(4 << 30, help="memory of loaded sessions (idle ones unload beyond)"),
+          max_tokens: int = typer.Option(256, help="default max_tokens of a reply"),
+          max_tokens_limit: int = typer.Option(4096, help="largest max_tokens a request may ask for"),
+          data_dir: Path = typer.Option(None, help="where sessions persist (default: $KVSTEWARD_HOME)"),
+          dtype: str = typer.Option("float32", help="model dtype: float32 | bfloat16 | float16"),
+          log_level: str = typer.Option("info", help="uvicorn log level")) -> None:
+    """Load the model once and serve it until interrupted."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import uvicorn
+
+    from kvsteward.serve.api import ServerConfig, create_app
+    from kvsteward.serve.completions import ServeLimits
+    from kvsteward.serve.engine import Engine
+    from kvsteward.serve.ops import OpsError, SessionSpec, session_spec
+
+    with console.status(f"loading {model} ..."):
+        engine = Engine.load(model, dtype=getattr(torch, dtype))
+    try:
+        defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
+    except OpsError as e:
+        raise typer.BadParameter(str(e)) from e
+    config = ServerConfig(model_name=model, defaults=defaults, cache_bytes=cache_bytes, session_bytes=session_bytes,
+                          max_body_bytes=max_body_bytes, limits=ServeLimits(max_tokens, max_tokens_limit),
+                          data_dir=data_dir)
+    console.log(f"serving {model} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
+                f"limit {defaults.limit})")
+    uvicorn.run(create_app(engine, config), host=host, port=port, log_level=log_level)
+
+
+if __name__ == "__main__":
+    app()
