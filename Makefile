@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export KVSTEWARD_HOME ?= $(CURDIR)/.steward
 
-.PHONY: venv model demo test lint
+.PHONY: venv model services demo test lint
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,14 @@ model: venv
 demo: model
 	OMP_NUM_THREADS=2 $(VENV)/bin/steward engine demo --model smollm2
 
-test: model
+# The Valkey tier tests run against a real server: Debian's valkey-server, or redis-server where Debian has no
+# valkey (bookworm). Best effort: without root or a package mirror those tests skip.
+services:
+	@command -v valkey-server >/dev/null || command -v redis-server >/dev/null || \
+	  ( (apt-get update -qq && (apt-get install -y -qq valkey-server || apt-get install -y -qq redis-server)) \
+	    >/dev/null 2>&1 || echo "note: no valkey-server/redis-server installed: the Valkey tier test will skip" )
+
+test: model services
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

@@ -150,3 +150,14 @@ def restore(model: str = typer.Option("smollm2", help=MODEL_HELP),
 
     eng = _engine(model)
     _emit(checks.bench_restore(eng, messages, tokens_per_message, progress=_progress), as_json)
+
+
+@bench_app.command()
+def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = typer.Option(4096),
+          valkey_url: str = typer.Option("", help="valkey://host:port/db of a running server (omit: host + disk)"),
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    """Restore time of a session state from host memory, local disk and Valkey (same run)."""
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    _emit(checks.bench_tiers(eng, tokens, valkey_url=valkey_url or None), as_json)

@@ -154,3 +154,25 @@ def bench_restore(engine: Engine, messages: int = 12, tokens_per_message: int = 
     return {"ops": len(history), "tokens": s.n_logical, "resident": s.resident, "segment_batch_s": segment_s,
             "sequential_s": sequential_s, "ratio_sequential_over_segment": sequential_s / segment_s,
             "max_abs_logit_diff": float((restored.last_logits - seq_logits).abs().max())}
+
+
+def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: int = 512, limit: int = 2048,
+                disk_dir: str | None = None, valkey_url: str | None = None, repeats: int = 3) -> dict:
+    """Restore time of one bounded session state from each tier (host memory, local disk, Valkey), same run."""
+    import tempfile
+
+    from kvsteward.serve.tiers import DiskTier, HostTier, TieredStore, ValkeyTier, snapshot
+
+    s = engine.session("pace", budget=budget, chunk=chunk, limit=limit)
+    s.append(_tokens(tokens, engine.vocab_size, 3))
+    tiers = [HostTier(), DiskTier(disk_dir or tempfile.mkdtemp(prefix="kvsteward-tier-"))]
+    if valkey_url:
+        tiers.append(ValkeyTier(valkey_url))
+    out = {"tokens": tokens, "resident": s.resident, "bytes": len(snapshot(s))}
+    for tier in tiers:
+        store = TieredStore([tier])
+        store.put("bench", s)
+        times = [store.fetch("bench", engine, s.config, promote=False).seconds for _ in range(repeats)]
+        out[f"{tier.name}_s"] = min(times)
+        tier.delete("bench")
+    return out

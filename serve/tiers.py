@@ -1,0 +1,186 @@
+"""Storage tiers for idle session states: host memory → local disk → Valkey (or Redis).
+
+A state is serialized whole — resident K/V (compacted to the resident slots), the fp32 reference keys, the slot
+metadata, and the op history that defines it — as one safetensors blob (tensors bit for bit; the JSON header carries
+the rest). Every tier stores the same blob under the session's key, so moving a state down or back up never changes
+it; `TieredStore.fetch` reports which tier answered and how long the restore took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from kvsteward.serve.session import Session, SessionConfig
+from kvsteward.serve.slots import META_FIELDS
+
+_SCALARS = ("next_pos", "n_messages", "current_step", "peak_resident", "renumbers")
+
+
+def snapshot(s: Session) -> bytes:
+    """Serialize a session state (tensors bit-exact) into one blob."""
+    t = s.table
+    n = t.n
+    tensors = {f"k.{i}": t.k[i][:, :n].contiguous() for i in range(t.n_layers)}
+    tensors |= {f"v.{i}": t.v[i][:, :n].contiguous() for i in range(t.n_layers)}
+    if t.ref_k is not None:
+        tensors |= {f"ref_k.{i}": t.ref_k[i][:, :n].contiguous() for i in range(t.n_layers)}
+    tensors |= {f"meta.{name}": t.meta[name][:n].contiguous() for name in META_FIELDS}
+    if s.last_logits is not None:
+        tensors["last_logits"] = s.last_logits.contiguous()
+    header = {"history": s.history, "tokens": s.tokens, "status": list(s.status), "tool_steps": s.tool_steps,
+              **{k: getattr(s, k) for k in _SCALARS}}
+    return st_save(tensors, metadata={"kvsteward": json.dumps(header)})
+
+
+def load_snapshot(engine, config: SessionConfig, blob: bytes) -> Session:
+    """Rebuild the session a `snapshot` blob holds, on `engine` with `config`."""
+
+    tensors = st_load(blob)
+    header = json.loads(_metadata(blob)["kvsteward"])
+    s = Session(engine, config)
+    t = s.table
+    n = tensors["meta.logical"].numel()
+    t.reserve(n)
+    for i in range(t.n_layers):
+        t.k[i][:, :n] = tensors[f"k.{i}"]
+        t.v[i][:, :n] = tensors[f"v.{i}"]
+    if "ref_k.0" in tensors:
+        t.ref_k = [torch.zeros(k.shape, dtype=torch.float32, device=t.device) for k in t.k]
+        for i in range(t.n_layers):
+            t.ref_k[i][:, :n] = tensors[f"ref_k.{i}"]
+    for name in META_FIELDS:
+        t.meta[name][:n] = tensors[f"meta.{name}"]
+    t.n = n
+    s.history, s.tokens, s.status = header["history"], header["tokens"], bytearray(header["status"])
+    s.tool_steps = header["tool_steps"]
+    for k in _SCALARS:
+        setattr(s, k, header[k])
+    s.last_logits = tensors.get("last_logits")
+    return s
+
+
+def _metadata(blob: bytes) -> dict:
+    # safetensors layout: 8-byte little-endian header length, then the JSON header (with __metadata__)
+    size = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + size])["__metadata__"]
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self):
+        self._blobs: dict[str, bytes] = {}
+
+    def put(self, key: str, blob: bytes) -> None:
+        self._blobs[key] = blob
+
+    def get(self, key: str) -> bytes | None:
+        return self._blobs.get(key)
+
+    def delete(self, key: str) -> None:
+        self._blobs.pop(key, None)
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if not key.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"tier key {key!r} must be alphanumeric (with - or _)")
+        return self.root / f"{key}.kvstate"
+
+    def put(self, key: str, blob: bytes) -> None:
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(path)  # atomic: a crash leaves the old state or the new one, never half of one
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        return path.read_bytes() if path.exists() else None
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+class ValkeyTier:
+    """A Valkey (or Redis) server reached with the `valkey` client."""
+
+    name = "valkey"
+
+    def __init__(self, url: str = "valkey://127.0.0.1:6379/0", prefix: str = "kvsteward:state:"):
+        import valkey
+
+        self.client = valkey.Valkey.from_url(url.replace("valkey://", "redis://", 1))
+        self.prefix = prefix
+
+    def put(self, key: str, blob: bytes) -> None:
+        self.client.set(self.prefix + key, blob)
+
+    def get(self, key: str) -> bytes | None:
+        return self.client.get(self.prefix + key)
+
+    def delete(self, key: str) -> None:
+        self.client.delete(self.prefix + key)
+
+
+@dataclass
+class Fetched:
+    session: Session
+    tier: str
+    seconds: float
+
+
+class TieredStore:
+    """Tiers ordered fastest first; `demote` moves a state one tier down, `fetch` restores it from the highest tier
+    that holds it (and promotes it back to the top)."""
+
+    def __init__(self, tiers: list):
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers = tiers
+
+    def put(self, key: str, s: Session, tier: int = 0) -> None:
+        self.tiers[tier].put(key, snapshot(s))
+
+    def where(self, key: str) -> int | None:
+        return next((i for i, t in enumerate(self.tiers) if t.get(key) is not None), None)
+
+    def demote(self, key: str) -> int:
+        i = self.where(key)
+        if i is None:
+            raise KeyError(f"no tier holds state {key!r}")
+        if i + 1 >= len(self.tiers):
+            return i
+        blob = self.tiers[i].get(key)
+        self.tiers[i + 1].put(key, blob)  # write below before deleting above: never zero copies
+        self.tiers[i].delete(key)
+        return i + 1
+
+    def fetch(self, key: str, engine, config: SessionConfig, promote: bool = True) -> Fetched:
+        t0 = time.perf_counter()
+        for i, tier in enumerate(self.tiers):
+            blob = tier.get(key)
+            if blob is not None:
+                s = load_snapshot(engine, config, blob)
+                seconds = time.perf_counter() - t0
+                if promote and i > 0:
+                    self.tiers[0].put(key, blob)
+                    tier.delete(key)
+                return Fetched(s, tier.name, seconds)
+        raise KeyError(f"no tier holds state {key!r}")
