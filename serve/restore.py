@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvsteward.kernels.rope import rerotate, rotation_cos_sin
 from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
-from kvsteward.serve.session import RESIDENT, Session, SessionConfig, _EngineCache
+from kvsteward.serve.session import RESIDENT, Session, SessionConfig, _EngineCache, move_resident
 
 
 @dataclass
@@ -168,12 +168,9 @@ def _install(s: Session, plan: Plan, ctx: ForwardContext, last_logits: torch.Ten
     t.keep(keep)
     final = torch.tensor(plan.final_pos, dtype=torch.long)
     if plan.renumbers:
-        t.ensure_reference()  # fp32 keys at their original positions: the reference for every later rotation
-        delta = final - t.field("ref_pos")
-        cos_sin = rotation_cos_sin(delta, s.engine.rope)
-        for layer in range(t.n_layers):
-            t.k[layer][:, : t.n] = rerotate(t.ref_k[layer][:, : t.n], delta, s.engine.rope, t.dtype, cos_sin=cos_sin)
-    t.meta["position"][: t.n] = final
+        move_resident(t, s.engine.rope, final)  # reference keys = the keys at their original positions
+    else:
+        t.meta["position"][: t.n] = final
     s.tokens = list(plan.tokens)
     s.status = plan.status
     s.next_pos = plan.next_pos

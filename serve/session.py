@@ -193,17 +193,8 @@ class Session:
         return sorted(idx)
 
     def _renumber(self) -> None:
-        from kvsteward.kernels.rope import rerotate, rotation_cos_sin
-
-        t = self.table
-        t.ensure_reference()
-        r = t.n
-        new_pos = torch.arange(r, dtype=torch.long, device=t.device)
-        delta = new_pos - t.field("ref_pos")
-        cos_sin = rotation_cos_sin(delta, self.engine.rope)  # float64 angles once, shared by every layer
-        for layer in range(t.n_layers):
-            t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, self.engine.rope, t.dtype, cos_sin=cos_sin)
-        t.meta["position"][:r] = new_pos
+        r = self.table.n
+        move_resident(self.table, self.engine.rope, torch.arange(r, dtype=torch.long, device=self.table.device))
         self.next_pos = r
         self.renumbers += 1
 
@@ -281,3 +272,17 @@ class Session:
         other.history = list(self.history)
         other.tool_steps = list(self.tool_steps)
         return other
+
+
+def move_resident(t: SlotTable, rope, new_pos: torch.Tensor) -> None:
+    """Give the resident slots the positions `new_pos`: K = R(new − p_ref) K_ref from the fp32 reference keys (taken
+    now if this is the first move), angles in float64, shared by every layer; V unchanged."""
+    from kvsteward.kernels.rope import rerotate, rotation_cos_sin
+
+    t.ensure_reference()
+    r = t.n
+    delta = new_pos - t.field("ref_pos")
+    cos_sin = rotation_cos_sin(delta, rope)
+    for layer in range(t.n_layers):
+        t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, rope, t.dtype, cos_sin=cos_sin)
+    t.meta["position"][:r] = new_pos
