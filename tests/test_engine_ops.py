@@ -226,3 +226,17 @@ def test_unsupported_rope_type_is_refused():
     model = tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(UnsupportedRope, match="dynamic"):
         Engine(model)
+
+
+def test_bf16_engine_matches_reference_and_keeps_fp32_reference_keys():
+    model = tiny_model("llama", seed=6, dtype=torch.bfloat16)
+    engine = Engine(model)
+    s, ref = engine.session("full", chunk=8), reference(engine)
+    x = rand_tokens(30, seed=12)
+    for sess in (s, ref):
+        sess.append(x)
+        sess.drop([1, 2, 9])
+        sess.reposition()
+    assert s.table.k[0].dtype == torch.bfloat16 and s.table.ref_k[0].dtype == torch.float32
+    y = rand_tokens(5, seed=13)
+    torch.testing.assert_close(s.append(y, logits="all"), ref.append(y), atol=3e-2, rtol=3e-2)
