@@ -68,7 +68,8 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                   "sessions_file": str(sessions_file or "")}
         result["mlflow_run_id"] = log_to_mlflow(result, out, params)
     if as_json:
-        print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items() if k != "probes"}
+        print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items()
+                          if k not in ("probes", "other_probes")}
                          | {"mlflow_run_id": result.get("mlflow_run_id")}))
 
 
