@@ -138,20 +138,19 @@ def _clip(text: str, n: int) -> str:
 
 
 def local_completer(model: str, max_new_tokens: int = 6) -> Complete:
-    """Greedy generation with a local model through `kvsteward.models.load`, continuing after the answer prefix."""
-    import torch
+    """Greedy generation with a local model on the kvsteward engine (`full` policy: token for token what
+    transformers' generate() gives, tested), continuing after the answer prefix."""
+    from kvsteward.serve.engine import Engine
 
-    from kvsteward.models import load
-
-    m, tok = load(model)
+    engine = Engine.load(model)
+    tok = engine.tokenizer
 
     def complete(messages: list[dict[str, str]], prefix: str = "") -> str:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
-        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
-        with torch.no_grad():
-            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        s = engine.session("full")
+        s.append(tok.encode(text, add_special_tokens=False))
+        out = s.generate(max_new_tokens, stop_ids=engine.eos_ids)
+        return tok.decode(out, skip_special_tokens=True)
 
     return complete
 
