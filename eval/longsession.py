@@ -109,8 +109,7 @@ def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
 def _score_probe(engine: Engine, s: EngineSession, probe, row: ProbeRow, cfg: RunConfig) -> list[int]:
     """Score one probe; return the answer tokens the main thread continues with."""
     tok = engine.tokenizer
-    stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]) if "<|im_end|>" in tok.get_vocab()
-                                  else ())
+    stop = engine.stop_ids
     if probe.kind == "fact":
         gold = tok.encode(probe.gold, add_special_tokens=False)
         generated = s.fork().generate(max(cfg.max_fact_tokens, len(gold) + 2), stop_ids=stop)

@@ -57,8 +57,7 @@ def _final_answer(engine: Engine, s, messages: list[dict], gold: str, max_tokens
     opener = tok.encode(generation_prompt(tok, messages) + ANSWER_PREFIX, add_special_tokens=False)
     s.append(opener, kind="assistant")
     before = s.resident
-    stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]))
-    gen = s.generate(max_tokens, stop_ids=stop)
+    gen = s.generate(max_tokens, stop_ids=engine.stop_ids)
     return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), _kv_reads(before, len(gen))
 
 
@@ -125,8 +124,7 @@ def _planner(engine: Engine, use_adapter: bool, max_tokens: int) -> Callable:
         history = messages + [{"role": "user", "content": PLAN_TRIGGER}]
         text = message_texts(tok, history)[-1] + generation_prompt(tok, history)
         fork.append(tok.encode(text, add_special_tokens=False), kind="user")
-        stop = engine.eos_ids + tuple(tok.convert_tokens_to_ids(["<|im_end|>"]))
-        return tok.decode(fork.generate(max_tokens, stop_ids=stop), skip_special_tokens=True)
+        return tok.decode(fork.generate(max_tokens, stop_ids=engine.stop_ids), skip_special_tokens=True)
 
     return plan
 

@@ -29,6 +29,12 @@ class Engine:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Where a greedy reply ends: the model's EOS ids plus the chat template's end-of-turn token, if any."""
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        return self.eos_ids + tuple(vocab[t] for t in ("<|im_end|>",) if t in vocab and vocab[t] not in self.eos_ids)
+
     def adapter(self, enabled: bool):
         """Context for one forward: a PEFT model runs with its adapter only when `enabled` (the aux thread);
         the main thread always sees the base model."""
