@@ -76,8 +76,7 @@ def pull(name: str = "smollm2", force: bool = False, log=print) -> Path:
 def resolve(model: str) -> str:
     """`smollm2` → provisioned folder; an existing local folder → itself; anything else is passed on as a hub id."""
     if model in EMBEDDED:
-        return str(pull(model, log=lambda *_: None) if not (embedded_dir(model) / _DONE_MARKER).exists()
-                   else embedded_dir(model))
+        return str(pull(model, log=lambda *_: None))  # idempotent: returns at once when already converted
     if Path(model).expanduser().is_dir():
         return str(Path(model).expanduser())
     return model

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from kvsteward.kernels.rope import rerotate, rotation_cos_sin
 from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
@@ -129,13 +130,13 @@ def _segment_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.transpose(1, 2).contiguous(), None
 
 
+AttentionInterface.register("steward_segments", _segment_attention)
+
+
 def restore(engine, config: SessionConfig, history: list[dict]) -> Session:
     """Rebuild a session from its op history with one model forward (segment-batch attention)."""
-    from transformers import AttentionInterface
-
     if config.policy.score_mode == "window":
         raise ValueError(f"policy {config.policy.name!r} keeps a window vote that a restore cannot reproduce")
-    AttentionInterface.register("steward_segments", _segment_attention)
     plan = plan_history(history)
     s = Session(engine, config)
     t = s.table
