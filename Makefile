@@ -26,8 +26,14 @@ venv: $(STAMP)
 model: venv
 	$(VENV)/bin/steward models pull smollm2
 
+# The whole pipeline on the embedded model at sizes that finish in about 15 minutes on 2 CPU cores:
+# synth traces → hindsight labels → LoRA training (MLflow) → manager eval → long-session benchmark (h2o vs pace).
+# Stages are cached by their inputs under runs/demo: a second `make demo` reuses them.
+DEMO_ARGS ?= --tasks 60 --page-words 30 --doc-words 50 --max-hops 4 --every 2 --no-plan --train-steps 12 \
+	--max-len 1024 --rank 16 --lr 1e-3 --top-layers 10 --manager-traces 3 --bench-length 4096 \
+	--bench-distances 512,3000 --bench-sessions 1 --bench-arms h2o,pace
 demo: model
-	OMP_NUM_THREADS=2 $(VENV)/bin/steward engine demo --model smollm2
+	OMP_NUM_THREADS=2 $(VENV)/bin/steward pipeline run --model smollm2 --root runs/demo $(DEMO_ARGS)
 
 # The Valkey tier tests run against a real server: Debian's valkey-server, or redis-server where Debian has no
 # valkey (bookworm). Best effort: without root or a package mirror those tests skip.

@@ -11,11 +11,14 @@ query position, resident slots and KV bytes.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -162,7 +165,8 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
         for arm in cfg.arms:
             if arm != cfg.reference:
                 mine = {(r.session, r.probe): r.score for r in rows if r.arm == arm and r.kind == "fact"}
-                paired[arm] = scoring.paired_compare(mine, ref)
+                both = mine.keys() & ref.keys()  # a partial (journal) sweep pairs only what both arms finished
+                paired[arm] = scoring.paired_compare({k: mine[k] for k in both}, {k: ref[k] for k in both})
     def record(r: ProbeRow) -> dict:
         return {"arm": r.arm, "distance": r.distance, "session": r.session, "probe": r.probe, "kind": r.kind,
                 "score": r.score, "nll": r.nll, "residency": r.residency, "rotary_gap": r.rotary_gap,
@@ -175,20 +179,77 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
             "config": {k: v for k, v in cfg.__dict__.items()}}
 
 
+JOURNAL = "journal.jsonl"
+
+
+def _journal_key(cfg: RunConfig) -> dict:
+    """What a journal line must agree on to be reused (a changed budget or limit is a different experiment)."""
+    return {k: v for k, v in cfg.__dict__.items() if k not in ("arms", "reference")}
+
+
+def read_journal(path: Path, cfg: RunConfig) -> dict[tuple[str, str], dict]:
+    """(session id, arm) → {"rows", "wall_s", "peak"} for every finished pair recorded under the same config.
+
+    Lines written with another config are refused (clear error), a torn last line (a kill mid-write) is ignored."""
+    done: dict[tuple[str, str], dict] = {}
+    if not path.exists():
+        return done
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) - 1:
+                break  # torn write of the last pair: it is simply played again
+            raise ValueError(f"{path}: line {n + 1} is not JSON; move the journal away to start over") from None
+        if rec["config"] != _journal_key(cfg):
+            raise ValueError(f"{path} was written with config {rec['config']}, this run uses {_journal_key(cfg)}; "
+                             "use another --out or delete the journal")
+        done[(rec["session"], rec["arm"])] = {"rows": [ProbeRow(**r) for r in rec["rows"]],
+                                              "wall_s": rec["wall_s"], "peak": rec["peak"]}
+    return done
+
+
+def _append_journal(path: Path, cfg: RunConfig, sess: Session, arm: str, rows: list[ProbeRow], wall: float,
+                    peak: int) -> None:
+    rec = {"session": sess.id, "arm": arm, "config": _journal_key(cfg), "wall_s": wall, "peak": peak,
+           "rows": [asdict(r) for r in rows]}
+    with path.open("a") as f:  # one line per finished (session, arm): a crash loses at most the pair in flight
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
-        progress: Callable[[str], None] | None = None) -> dict:
+        progress: Callable[[str], None] | None = None, journal: Path | None = None,
+        play_missing: bool = True) -> dict:
+    """Every arm on every session. With `journal`, finished (session, arm) pairs are appended to it as they end
+    and pairs already in it are not played again (resume after a crash or a kill; `play_missing=False` only
+    summarizes what the journal holds — a partial sweep)."""
     rows: list[ProbeRow] = []
     walls: dict[str, float] = defaultdict(float)
     peaks: dict[str, int] = defaultdict(int)
+    done = read_journal(journal, cfg) if journal else {}
     for i, sess in enumerate(sessions):
         for arm in cfg.arms:
-            t0 = time.perf_counter()
-            got, peak = play(engine, sess, arm, cfg)
-            walls[arm] += time.perf_counter() - t0
+            if (sess.id, arm) in done:
+                got, wall, peak = done[(sess.id, arm)]["rows"], done[(sess.id, arm)]["wall_s"], \
+                    done[(sess.id, arm)]["peak"]
+            elif not play_missing:
+                continue
+            else:
+                t0 = time.perf_counter()
+                got, peak = play(engine, sess, arm, cfg)
+                wall = time.perf_counter() - t0
+                if journal:
+                    _append_journal(journal, cfg, sess, arm, got, wall, peak)
+                if progress:
+                    acc = _mean([r.score for r in got if r.kind == "fact"])
+                    progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
+                             f"residency={_mean([r.residency for r in got if r.kind == 'fact']):.2f}")
+            walls[arm] += wall
             peaks[arm] = max(peaks[arm], peak)
             rows += got
-            if progress:
-                acc = _mean([r.score for r in got if r.kind == "fact"])
-                progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
-                         f"residency={_mean([r.residency for r in got if r.kind == 'fact']):.2f}")
+    if not rows:
+        raise ValueError("no finished (session, arm) pair to summarize")
     return summarize(rows, walls, peaks, cfg)

@@ -7,7 +7,9 @@ open cursor ids; the deletion is applied to the main session as a `drop` before 
 hindsight labels: precision / recall / F1 of deletions, harmful deletions (a deleted cursor that a later step reads),
 parse failures (constrained decoding: a decode that hit the token budget before closing counts as one). The same
 replay without any deletion is the uncompressed reference for peak resident tokens, KV reads (resident tokens summed
-over the decoded assistant tokens) and final-answer accuracy (forced prefix `Final answer: `, greedy, text match).
+over the decoded assistant tokens) and the final answer: the gold final message is forced up to the first place the
+answer value appears in it (usually the restated fact, e.g. "... graduated from "), so the model must copy the value
+from a tool response still in its context; scored by greedy text match and by the answer's teacher-forced NLL.
 With a plan-trained adapter the same fork in `Planning mode` emits `{"plan": [...]}`: edge recall / precision vs the
 trace's future readers.
 """
@@ -18,7 +20,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvsteward.eval.scoring import text_prefix_match
+import torch
+
+from kvsteward.eval.scoring import gold_nll, text_prefix_match
 from kvsteward.serve.aux import AuxDecision, run_aux
 from kvsteward.serve.engine import Engine
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
@@ -45,6 +49,7 @@ class Tally:
     peak: list[int] = field(default_factory=list)
     kv_reads: list[int] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
+    answer_nll: list[float] = field(default_factory=list)
 
 
 def _kv_reads(resident_before: int, n_decoded: int) -> int:
@@ -52,13 +57,26 @@ def _kv_reads(resident_before: int, n_decoded: int) -> int:
     return n_decoded * resident_before + n_decoded * (n_decoded - 1) // 2
 
 
-def _final_answer(engine: Engine, s, messages: list[dict], gold: str, max_tokens: int) -> tuple[bool, int]:
+def answer_prefix(final_message: str, gold: str) -> str:
+    """The final message up to the first occurrence of the answer value (`Final answer: ` if it never occurs)."""
+    at = final_message.find(gold)
+    return final_message[:at] if at > 0 else ANSWER_PREFIX
+
+
+def _final_answer(engine: Engine, s, messages: list[dict], final_message: str, gold: str,
+                  max_tokens: int) -> tuple[bool, float, int]:
+    """(greedy answer matches, gold answer NLL, KV reads of the greedy decode) after the forced prefix."""
     tok = engine.tokenizer
-    opener = tok.encode(generation_prompt(tok, messages) + ANSWER_PREFIX, add_special_tokens=False)
+    opener = tok.encode(generation_prompt(tok, messages) + answer_prefix(final_message, gold),
+                        add_special_tokens=False)
     s.append(opener, kind="assistant")
     before = s.resident
-    gen = s.generate(max_tokens, stop_ids=engine.stop_ids)
-    return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), _kv_reads(before, len(gen))
+    gen = s.fork().generate(max_tokens, stop_ids=engine.stop_ids)
+    gold_ids = tok.encode(gold, add_special_tokens=False)
+    first = s.last_logits[None]
+    rest = s.append(gold_ids, kind="assistant", continue_message=True, logits="all")
+    nll = gold_nll(torch.cat([first, rest[:-1]]), gold_ids)
+    return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), nll, _kv_reads(before, len(gen))
 
 
 def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, tally: Tally,
@@ -96,8 +114,10 @@ def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, ta
         if msg["role"] == "assistant":
             reads += _kv_reads(s.resident, len(ids))
         s.append(ids, kind=msg["role"], logits="last" if i == len(msgs) - 1 else None)
-    ok, final_reads = _final_answer(engine, s, msgs, trace.answer, max_answer_tokens)
+    ok, nll, final_reads = _final_answer(engine, s, msgs, trace.messages[-1]["content"], trace.answer,
+                                         max_answer_tokens)
     tally.correct.append(ok)
+    tally.answer_nll.append(nll)
     tally.peak.append(s.peak_resident)
     tally.kv_reads.append(reads + final_reads)
 
@@ -129,6 +149,10 @@ def _planner(engine: Engine, use_adapter: bool, max_tokens: int) -> Callable:
     return plan
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def _ratio(a: int, b: int) -> float:
     return a / b if b else float("nan")
 
@@ -141,7 +165,9 @@ def summarize(t: Tally, ref: Tally) -> dict:
            "peak_tokens_reduction": 1 - sum(t.peak) / sum(ref.peak),
            "kv_reads_reduction": 1 - sum(t.kv_reads) / sum(ref.kv_reads),
            "answer_acc": sum(t.correct) / len(t.correct), "answer_acc_delta": (sum(t.correct) - sum(ref.correct))
-           / len(t.correct), "aux_calls": t.calls, "deleted": t.deleted, "harmful": t.harmful}
+           / len(t.correct), "answer_nll": _mean(t.answer_nll),
+           "answer_nll_delta": _mean(t.answer_nll) - _mean(ref.answer_nll), "aux_calls": t.calls,
+           "deleted": t.deleted, "harmful": t.harmful}
     if t.plan_calls:
         out.update({"plan_edge_recall": _ratio(t.plan_tp, t.plan_tp + t.plan_fn),
                     "plan_edge_precision": _ratio(t.plan_tp, t.plan_tp + t.plan_fp),
@@ -168,6 +194,7 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
                 f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
     ref = tallies["uncompressed"]
     return {**{arm: summarize(tallies[arm], ref) for arm in arms},
-            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "peak_tokens": sum(ref.peak),
+            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": _mean(ref.answer_nll),
+                             "peak_tokens": sum(ref.peak),
                              "kv_reads": sum(ref.kv_reads)},
             "n_traces": len(traces), "every": every}

@@ -36,9 +36,14 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 code: bool = typer.Option(True, help="run the code probes (slow; near zero on a 135M model)"),
                 out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
                 mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
+                report_only: bool = typer.Option(False, "--report-only", help="play nothing: report the (session, "
+                                                 "arm) pairs already finished in OUT/journal.jsonl (partial sweep)"),
                 as_json: bool = typer.Option(False, "--json", help="print the result JSON on stdout")) -> None:
-    """Residency vs retrievability: every arm on exactly the same sessions, paired against h2o."""
-    from kvsteward.eval.longsession import RunConfig, run
+    """Residency vs retrievability: every arm on exactly the same sessions, paired against h2o.
+
+    Each finished (session, arm) pair is appended to OUT/journal.jsonl; running the same command again resumes
+    (finished pairs are not played again)."""
+    from kvsteward.eval.longsession import JOURNAL, RunConfig, run
     from kvsteward.eval.report import log_to_mlflow, write_report
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.policies import ARMS
@@ -58,7 +63,11 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(sess, out / "sessions.jsonl")
     cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code)
-    result = run(engine, sess, cfg, progress=console.log)
+    try:
+        result = run(engine, sess, cfg, progress=console.log, journal=out / JOURNAL, play_missing=not report_only)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from e
     result["model"] = model
     paths = write_report(result, out)
     console.print(paths["markdown"].read_text())

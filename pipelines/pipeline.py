@@ -29,11 +29,18 @@ class PipelineConfig:
     model: str = "smollm2"
     tasks: int = 24
     seed: int = 0
+    page_words: int = 160
+    doc_words: int = 240
+    max_hops: int = 6
     every: int = 4
+    plan: bool = True
     train_steps: int = 30
     max_len: int = 1024
     rank: int = 8
     lr: float = 3e-4
+    batch_size: int = 2
+    top_layers: int = 0
+    train_minutes: float = 0.0
     manager_traces: int = 3
     bench_length: int = 4096
     bench_distances: str = "512,3000"
@@ -57,18 +64,24 @@ class Stage:
 def stages(cfg: PipelineConfig) -> list[Stage]:
     m = cfg.model
     return [
-        Stage("traces", {"tasks": cfg.tasks, "seed": cfg.seed}, [],
-              lambda out, up: ["synth", "traces", "--tasks", str(cfg.tasks), "--seed", str(cfg.seed), "--out",
-                               str(out), "--json"]),
+        Stage("traces", {"tasks": cfg.tasks, "seed": cfg.seed, "page_words": cfg.page_words,
+                         "doc_words": cfg.doc_words, "max_hops": cfg.max_hops}, [],
+              lambda out, up: ["synth", "traces", "--tasks", str(cfg.tasks), "--seed", str(cfg.seed), "--page-words",
+                               str(cfg.page_words), "--doc-words", str(cfg.doc_words), "--max-hops",
+                               str(cfg.max_hops), "--out", str(out), "--json"]),
         # rows are capped at the training length, so every row the annotator keeps is trainable
-        Stage("hindsight", {"every": cfg.every, "max_tokens": cfg.max_len, "model": m}, ["traces"],
+        Stage("hindsight", {"every": cfg.every, "max_tokens": cfg.max_len, "plan": cfg.plan, "model": m}, ["traces"],
               lambda out, up: ["synth", "hindsight", str(up["traces"]), "--every", str(cfg.every), "--max-tokens",
-                               str(cfg.max_len), "--model", m, "--out", str(out / "ds"), "--json"]),
-        Stage("train", {"steps": cfg.train_steps, "max_len": cfg.max_len, "rank": cfg.rank, "lr": cfg.lr, "model": m},
+                               str(cfg.max_len), "--plan" if cfg.plan else "--no-plan", "--model", m, "--out",
+                               str(out / "ds"), "--json"]),
+        Stage("train", {"steps": cfg.train_steps, "max_len": cfg.max_len, "rank": cfg.rank, "lr": cfg.lr, "model": m,
+                        "batch_size": cfg.batch_size, "top_layers": cfg.top_layers, "minutes": cfg.train_minutes},
               ["hindsight"],
               lambda out, up: ["train", "lora", "--model", m, "--data", str(up["hindsight"] / "ds"), "--max-steps",
                                str(cfg.train_steps), "--max-len", str(cfg.max_len), "--rank", str(cfg.rank),
-                               "--lr", str(cfg.lr), "--out", str(out), "--resume", "--json"]),
+                               "--lr", str(cfg.lr), "--batch-size", str(cfg.batch_size), "--top-layers",
+                               str(cfg.top_layers), "--max-minutes", str(cfg.train_minutes), "--out", str(out),
+                               "--resume", "--json"]),
         Stage("manager", {"traces": cfg.manager_traces, "every": cfg.every, "model": m}, ["hindsight", "train"],
               lambda out, up: ["eval", "manager", "--model", m, "--adapter", _adapter(up["train"]), "--data",
                                str(up["hindsight"] / "ds"), "--every", str(cfg.every), "--limit",

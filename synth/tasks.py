@@ -152,6 +152,9 @@ def compare_verdict(kind: str, fact: str) -> str:
     return _COMPARE_Q[(kind, fact)][2]
 
 
+RECAP_REQUEST = " In your final answer, restate every fact you found on the way."
+
+
 def sample_task(world: World, r: random.Random, min_hops: int, max_hops: int, compare_rate: float,
                 recap_rate: float) -> Task:
     if not 2 <= min_hops <= max_hops:
@@ -159,8 +162,12 @@ def sample_task(world: World, r: random.Random, min_hops: int, max_hops: int, co
     hops = r.randint(min_hops, max_hops)
     recap = r.random() < recap_rate
     if hops % 2 == 0 and r.random() < compare_rate:
-        return sample_compare(world, r, hops, recap)
-    return sample_chain(world, r, hops, recap)
+        task = sample_compare(world, r, hops, recap)
+    else:
+        task = sample_chain(world, r, hops, recap)
+    if recap:  # the user asks for it, so whether early pages are read again is visible in the context
+        task.question += RECAP_REQUEST
+    return task
 
 
 def check_answer(task_answer: str, text: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsteward.eval.manager import Tally, replay, summarize
+from kvsteward.eval.manager import Tally, answer_prefix, replay, summarize
 from kvsteward.models import load_tokenizer, tiny_model
 from kvsteward.serve.aux import AuxDecision
 from kvsteward.serve.engine import Engine
@@ -55,4 +55,15 @@ def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
     assert out["recall"] == 1.0 and out["precision"] < 1.0 and out["harmful"] > 0
     never = summarize(_run(engine, traces, lambda tr: lambda s, m, o: AuxDecision([], "", 0)), ref)
     assert never["recall"] == 0.0 and never["peak_tokens_reduction"] == 0.0 and never["kv_reads_reduction"] == 0.0
-    assert never["answer_acc_delta"] == 0.0
+    assert never["answer_acc_delta"] == 0.0 and never["answer_nll_delta"] == 0.0
+    assert out["answer_nll"] == out["answer_nll"]  # a number, not NaN
+
+
+def test_answer_prefix_stops_where_the_value_must_be_recalled(setup):
+    _, traces = setup
+    for tr in traces:
+        final = tr.messages[-1]["content"]
+        prefix = answer_prefix(final, tr.answer)
+        assert final.startswith(prefix) and final[len(prefix):].startswith(tr.answer)
+        assert tr.answer not in prefix
+    assert answer_prefix("no value here", "X1") == "Final answer: "

@@ -77,3 +77,23 @@ def test_killed_run_resumes_without_losing_steps(setup, tmp_path):
 def test_resume_without_checkpoint_starts_fresh(setup):
     result = train_lora(setup("fresh", resume=True, max_steps=2, mlflow=False))
     assert result.steps == 2 and result.steps_this_process == 2
+
+
+def test_wall_clock_budget_stops_with_a_saved_adapter(setup, tmp_path, monkeypatch):
+    from kvsteward.train import callbacks
+
+    clock = iter(range(0, 10_000, 40))  # every reading is 40 s later: the 1-minute budget ends after step 2
+    monkeypatch.setattr(callbacks, "_now", lambda: next(clock))
+    result = train_lora(setup("budget", max_minutes=1.0, mlflow=False))
+    assert result.steps == 2
+    assert (tmp_path / "budget" / "adapter" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "budget" / "checkpoints" / "checkpoint-2").exists()  # the stop also checkpoints
+
+
+def test_top_layers_adapts_only_the_top_decoder_layers(setup, tmp_path):
+    result = train_lora(setup("top", top_layers=1, max_steps=2, mlflow=False))
+    names = load_file(f"{result.adapter_dir}/adapter_model.safetensors").keys()
+    n_layers = tiny_model().config.num_hidden_layers
+    assert names and all(f"layers.{n_layers - 1}." in k for k in names)
+    with pytest.raises(ValueError, match="decoder layers"):
+        train_lora(setup("bad", top_layers=n_layers + 1, mlflow=False))

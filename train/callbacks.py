@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -26,6 +27,32 @@ class MlflowMetrics(TrainerCallback):
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if metrics:
             mlflow.log_metrics(metrics, step=state.global_step)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class WallClockBudget(TrainerCallback):
+    """Stop (with a final checkpoint) once this process has trained for `minutes`: a fixed compute budget.
+
+    The check runs after each optimizer step, so a run overshoots by at most one step. A resumed run gets a fresh
+    budget (it is a budget per process, which is what a time-limited job slot gives).
+    """
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60.0
+        self.t0: float | None = None
+        self.stopped_at: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.t0 = _now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.t0 is not None and _now() - self.t0 >= self.seconds:
+            control.should_training_stop = True
+            control.should_save = True
+            self.stopped_at = state.global_step
 
 
 class RichProgress(TrainerCallback):

@@ -37,6 +37,8 @@ class LoraRunConfig:
     seed: int = 0
     tile_rows: int = 1024
     bf16: bool = False
+    top_layers: int = 0  # LoRA only in the top N decoder layers; 0 = all
+    max_minutes: float = 0.0  # wall-clock training budget of this process; 0 = none (stop at max_steps)
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -47,6 +49,10 @@ class LoraRunConfig:
                ("max_steps", "rank", "batch_size", "grad_accum", "save_steps", "tile_rows") if getattr(self, k) < 1]
         if self.lr <= 0:
             bad.append(f"lr must be > 0 (got {self.lr})")
+        if self.top_layers < 0:
+            bad.append(f"top_layers must be ≥ 0 (got {self.top_layers})")
+        if self.max_minutes < 0:
+            bad.append(f"max_minutes must be ≥ 0 (got {self.max_minutes})")
         if self.lambda_kl < 0:
             bad.append(f"lambda_kl must be ≥ 0 (got {self.lambda_kl})")
         if self.deepspeed not in ("none", "zero2", "zero3"):
@@ -108,11 +114,20 @@ def _pad_id(tokenizer, config) -> int:
 
 
 def wrap_lora(base, cfg: LoraRunConfig):
-    """LoRA on every linear projection of attention and MLP (peft's `all-linear` excludes the LM head)."""
+    """LoRA on every linear projection of attention and MLP (peft's `all-linear` excludes the LM head), in every
+    decoder layer or only the top `cfg.top_layers`: backward then stops at the lowest adapted layer, which is what
+    makes a fixed CPU budget buy more steps."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+    n_layers = base.config.num_hidden_layers
+    if cfg.top_layers > n_layers:
+        raise ValueError(f"top_layers={cfg.top_layers} but the model has {n_layers} decoder layers")
+    layers = list(range(n_layers - cfg.top_layers, n_layers)) if cfg.top_layers else None
+    # peft refuses `layers_to_transform` with the "all-linear" shorthand: spell out the same projection kinds.
+    kinds = sorted({name.rsplit(".", 1)[-1] for name, mod in base.named_modules()
+                    if isinstance(mod, torch.nn.Linear) and ".layers." in name}) if layers else "all-linear"
+    lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=kinds,
+                      layers_to_transform=layers, task_type="CAUSAL_LM")
     return get_peft_model(base, lora)
 
 
@@ -153,7 +168,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
-    from kvsteward.train.callbacks import MlflowMetrics, RichProgress
+    from kvsteward.train.callbacks import MlflowMetrics, RichProgress, WallClockBudget
     from kvsteward.train.trainer import StewardTrainer
 
     cfg.check()
@@ -190,7 +205,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             mlflow.set_tag("resumed_from", Path(last).name)
 
     progress = RichProgress(cfg.max_steps)
-    callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + list(cfg.callbacks)
+    budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
+    callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + budget + list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, data_collator=Collator(_pad_id(tokenizer,
                              base.config)), lambda_kl=cfg.lambda_kl, tile_rows=cfg.tile_rows, callbacks=callbacks)
     from transformers import PrinterCallback

@@ -1,0 +1,68 @@
+"""The benchmark journal: finished (session, arm) pairs survive a kill, are not played again, and a partial sweep can
+be reported. A tiny random model behind SmolLM2's tokenizer plays short generated sessions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsteward.eval import longsession as ls
+from kvsteward.serve.testing import tiny_chat_engine
+from kvsteward.synth.longsession import generate_sessions
+
+
+@pytest.fixture(scope="module")
+def setup():
+    engine = tiny_chat_engine(seed=1)
+    sessions = generate_sessions(engine.tokenizer, 2, 1200, [300], seed=5)
+    cfg = ls.RunConfig(arms=("h2o", "pace"), budget=128, chunk=64, limit=512, code=False, max_fact_tokens=4,
+                       max_recall_tokens=4)
+    return engine, sessions, cfg
+
+
+def _strip(result: dict) -> str:
+    """The result without wall times (they differ between runs)."""
+    return json.dumps({arm: {k: v for k, v in rec.items() if k != "wall_s"} for arm, rec in result["arms"].items()},
+                      sort_keys=True)  # NaN (no code probes) compares equal as text
+
+
+def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path, monkeypatch):
+    engine, sessions, cfg = setup
+    journal = tmp_path / ls.JOURNAL
+    fresh = ls.run(engine, sessions, cfg, journal=journal)
+    lines = journal.read_text().splitlines()
+    assert len(lines) == len(sessions) * len(cfg.arms)
+
+    # Simulate a kill during the last pair: its line is torn. Resuming replays exactly that pair.
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    played = []
+    real_play = ls.play
+    monkeypatch.setattr(ls, "play", lambda e, s, a, c: played.append((s.id, a)) or real_play(e, s, a, c))
+    resumed = ls.run(engine, sessions, cfg, journal=journal)
+    last = json.loads(lines[-1])
+    assert played == [(last["session"], last["arm"])]
+    assert _strip(resumed) == _strip(fresh)
+    assert resumed["paired"] == fresh["paired"]
+
+
+def test_partial_report_uses_only_finished_pairs(setup, tmp_path):
+    engine, sessions, cfg = setup
+    journal = tmp_path / ls.JOURNAL
+    ls.run(engine, sessions[:1], cfg, journal=journal)
+    partial = ls.run(engine, sessions, cfg, journal=journal, play_missing=False)
+    n_facts = sum(1 for p in sessions[0].probes if p.kind == "fact")
+    for arm in cfg.arms:
+        assert sum(c["n"] for c in partial["arms"][arm]["by_distance"].values()) == n_facts
+    assert sum(partial["paired"]["pace"][k] for k in ("better", "worse", "tied")) == n_facts
+
+
+def test_journal_from_another_config_is_refused(setup, tmp_path):
+    engine, sessions, cfg = setup
+    journal = tmp_path / ls.JOURNAL
+    ls.run(engine, sessions[:1], ls.RunConfig(**{**cfg.__dict__, "arms": ("h2o",)}), journal=journal)
+    other = ls.RunConfig(**{**cfg.__dict__, "budget": 96})
+    with pytest.raises(ValueError, match="written with config"):
+        ls.run(engine, sessions, other, journal=journal)
+    with pytest.raises(ValueError, match="no finished"):
+        ls.run(engine, sessions, cfg, journal=tmp_path / "empty.jsonl", play_missing=False)
