@@ -161,3 +161,21 @@ def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = t
 
     eng = _engine(model)
     _emit(checks.bench_tiers(eng, tokens, valkey_url=valkey_url or None), as_json)
+
+
+@bench_app.command()
+def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
+        adapter: str = typer.Option("", help="PEFT LoRA folder of the memory manager (omit: the base model)"),
+        turns: int = typer.Option(12, help="turns of the agent session (turn 0 + one per tool response)"),
+        every: int = typer.Option(2, help="aux thread after every K-th turn"),
+        gap: float = typer.Option(0.5, help="the agent's tool time between turns, seconds (the aux runs here)"),
+        max_tokens: int = typer.Option(16, help="reply tokens per main turn"),
+        aux_max_tokens: int = typer.Option(24, help="decode budget of one aux decision"),
+        as_json: bool = typer.Option(False, "--json")) -> None:
+    """Main-turn latency with the aux memory-manager thread on vs off, interleaved in one run (target ratio ≤ 1.05)."""
+    from kvsteward.serve import checks
+    from kvsteward.serve.engine import Engine
+
+    with console.status(f"loading {model} ..."):
+        eng = Engine.load(model, adapter=adapter or None)
+    _emit(checks.bench_aux(eng, turns, every, gap, max_tokens, aux_max_tokens, progress=_progress), as_json)

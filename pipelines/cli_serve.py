@@ -29,6 +29,15 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           max_tokens_limit: int = typer.Option(4096, help="largest max_tokens a request may ask for"),
           data_dir: Path = typer.Option(None, help="where sessions persist (default: $KVSTEWARD_HOME)"),
           dtype: str = typer.Option("float32", help="model dtype: float32 | bfloat16 | float16"),
+          adapter: Path = typer.Option(None, help="PEFT LoRA folder of the learned memory manager (aux thread)"),
+          aux_every: int = typer.Option(None, help="run the aux thread after every K-th turn of a session "
+                                                   "(default 4 with --adapter or --aux-base; off otherwise)"),
+          aux_base: bool = typer.Option(False, help="run the aux thread with the base model (no adapter; testing)"),
+          aux_max_tokens: int = typer.Option(48, help="decode budget of one aux decision"),
+          tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
+          host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
+          disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
+          valkey_url: str = typer.Option(None, help="valkey://host:port/db: a remote tier below disk"),
           log_level: str = typer.Option("info", help="uvicorn log level")) -> None:
     """Load the model once and serve it until interrupted."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,21 +45,35 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     import uvicorn
 
     from kvsteward.serve.api import ServerConfig, create_app
+    from kvsteward.serve.aux import AuxConfig
     from kvsteward.serve.completions import ServeLimits
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.ops import OpsError, SessionSpec, session_spec
 
+    if adapter is not None and aux_base:
+        raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
+    if aux_every is not None and adapter is None and not aux_base:
+        raise typer.BadParameter("--aux-every needs a manager: --adapter DIR (or --aux-base for the base model)")
+    aux = None
+    if adapter is not None or aux_base:
+        aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
+                        use_adapter=adapter is not None)
+        try:
+            aux.validate()
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
     with console.status(f"loading {model} ..."):
-        engine = Engine.load(model, dtype=getattr(torch, dtype))
+        engine = Engine.load(model, dtype=getattr(torch, dtype), adapter=None if adapter is None else str(adapter))
     try:
         defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
     except OpsError as e:
         raise typer.BadParameter(str(e)) from e
     config = ServerConfig(model_name=model, defaults=defaults, cache_bytes=cache_bytes, session_bytes=session_bytes,
                           max_body_bytes=max_body_bytes, limits=ServeLimits(max_tokens, max_tokens_limit),
-                          data_dir=data_dir)
+                          data_dir=data_dir, aux=aux, tiers=tiers, host_tier_bytes=host_tier_bytes,
+                          disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url)
     console.log(f"serving {model} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
-                f"limit {defaults.limit})")
+                f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'})")
     uvicorn.run(create_app(engine, config), host=host, port=port, log_level=log_level)
 
 

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/chat/completions, GET /v1/models, POST/GET /v1/sessions, GET/DELETE /v1/sessions/{id},
 POST /v1/sessions/{id}/messages, GET /metrics, GET /health. Every error is `{"error": {"message", "type", "param"}}`
 with a 4xx status naming the problem (5xx only for server faults); the server keeps serving after any of them.
-Handlers are sync (run in the threadpool); one model forward at a time through a shared engine lock.
+Handlers are sync (run in the threadpool); one model forward at a time through a shared engine lock, a scheduler
+that gives main requests priority over the aux memory-manager thread (`kvsteward.serve.aux`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvsteward.serve.aux import AuxConfig, Scheduler
 from kvsteward.serve.completions import ChatService, ServeLimits, completion_id, usage
 from kvsteward.serve.metrics import Metrics
 from kvsteward.serve.ops import OpsError, SessionSpec
@@ -36,6 +39,31 @@ class ServerConfig:
     limits: ServeLimits = field(default_factory=ServeLimits)
     data_dir: Path | None = None  # sessions live in <data_dir>/sessions; default kvsteward.paths.data_dir()
     checkpoints: bool = True
+    aux: AuxConfig | None = None  # the aux memory-manager thread (None: off)
+    tiers: bool = True  # unloaded sessions go down the storage tiers (False: dropped, rebuilt from the log)
+    host_tier_bytes: int = 2 << 30  # snapshots in host memory (older ones move to disk beyond)
+    disk_tier_bytes: int | None = 64 << 30  # snapshots in <data_dir>/tiers (None: unbounded; beyond: Valkey/delete)
+    valkey_url: str | None = None  # a Valkey/Redis tier below disk (unbounded here: Valkey's maxmemory rules)
+
+
+def make_tiers(config: ServerConfig, root: Path, metrics, known: set[str]):
+    """The server's SessionTiers (host → disk [→ Valkey]); disk blobs of known sessions left by an earlier run are
+    adopted (they are used only if their history matches the log), others removed."""
+    from kvsteward.serve.tiers import DiskTier, HostTier, SessionTiers, ValkeyTier
+
+    tiers, budgets = [HostTier(), DiskTier(root / "tiers")], [config.host_tier_bytes, config.disk_tier_bytes]
+    if config.valkey_url:
+        tiers.append(ValkeyTier(config.valkey_url))
+        budgets.append(None)
+    st = SessionTiers(tiers, budgets, metrics)
+    for path in sorted(tiers[1].root.glob("*.kvstate"), key=lambda p: p.stat().st_mtime):
+        if path.stem in known:
+            st.adopt(path.stem, 1, path.stat().st_size)
+        else:
+            path.unlink(missing_ok=True)
+    for path in tiers[1].root.glob("*.tmp"):  # a put killed before its rename
+        path.unlink(missing_ok=True)
+    return st
 
 
 class ApiError(Exception):
@@ -145,14 +173,21 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     if engine.tokenizer is None:
         raise ValueError("serving needs an engine with a tokenizer (chat template)")
+    if config.aux is not None and config.aux.use_adapter and not engine.is_peft:
+        raise ValueError("the aux thread is set to use the LoRA adapter, but the engine has none (load one with "
+                         "Engine.load(..., adapter=DIR), or set use_adapter=False for the base model)")
     metrics = Metrics()
-    lock = threading.Lock()
+    lock = Scheduler()
     chat = ChatService(engine, config.defaults, config.cache_bytes, config.limits, metrics, lock, config.checkpoints)
     root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     store = SessionStore(root / "sessions", engine, config.defaults, lock, metrics, config.session_bytes,
-                         config.limits)
+                         config.limits, aux=config.aux)
+    if config.tiers:
+        store.tiers = make_tiers(config, root, metrics, set(store.ids()))
     app = FastAPI(title="kvsteward", version="0.1.0")
     app.state.chat, app.state.store, app.state.metrics, app.state.config = chat, store, metrics, config
+    app.state.scheduler = lock
+    app.router.on_shutdown.append(store.close)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     _install_errors(app)
 
@@ -191,13 +226,28 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
             return await _stream(body)
         from starlette.concurrency import run_in_threadpool
 
-        return await run_in_threadpool(chat.complete, body)
+        def work():
+            with lock.main():
+                return chat.complete(body)
+
+        return await run_in_threadpool(work)
 
     async def _stream(body: dict):
         from starlette.concurrency import run_in_threadpool
 
         t0 = time.perf_counter()
-        prep = await run_in_threadpool(chat.prepare, body)  # errors surface here, as a 4xx before any byte
+        lock.begin_main()  # main work until the last byte (the aux thread waits meanwhile)
+        once = threading.Lock()
+
+        def end_main():  # once: from the stream's end, or the response's background task if it never started
+            if once.acquire(blocking=False):
+                lock.end_main()
+
+        try:
+            prep = await run_in_threadpool(chat.prepare, body)  # errors surface here, as a 4xx before any byte
+        except BaseException:
+            end_main()
+            raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created, model = completion_id(), int(time.time()), body["model"]
 
@@ -219,9 +269,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                     yield f"data: {json.dumps(obj)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
+                end_main()
                 metrics.latency.labels("/v1/chat/completions").observe(time.perf_counter() - t0)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(end_main))
 
     # -- persistent sessions ----------------------------------------------------------------------------------------
     @app.post("/v1/sessions")
@@ -238,26 +289,19 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/sessions/{session_id}")
     def get_session(session_id: str):
-        rec = store.acquire(session_id)
-        try:
-            return rec.describe()
-        finally:
-            store.release(rec)
+        with lock.main():  # a restore may run forwards
+            rec = store.acquire(session_id)
+            try:
+                return rec.describe()
+            finally:
+                store.release(rec)
 
     @app.post("/v1/sessions/{session_id}/messages")
     async def session_messages(session_id: str, request: Request):
         from starlette.concurrency import run_in_threadpool
 
         body = await _json_body(request)
-
-        def work():
-            rec = store.acquire(session_id)
-            try:
-                return store.turn(rec, body)
-            finally:
-                store.release(rec)
-
-        return await run_in_threadpool(work)
+        return await run_in_threadpool(store.run_turn, session_id, body)
 
     @app.delete("/v1/sessions/{session_id}")
     def delete_session(session_id: str):

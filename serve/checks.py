@@ -176,3 +176,86 @@ def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: in
         out[f"{tier.name}_s"] = min(times)
         tier.delete("bench")
     return out
+
+
+def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5, max_tokens: int = 16,
+              aux_max_tokens: int = 24, use_adapter: bool | None = None, seed: int = 0, data_dir: str | None = None,
+              progress: Progress | None = None) -> dict:
+    """Main-turn latency with the aux thread on vs off, side by side in one run (target ratio <= 1.05).
+
+    Two persistent-session stores share the engine and its scheduler: ON runs the aux thread after every `every`-th
+    turn, OFF has none. Both play the same synthesized agent trace (turn 0: system + question; turn k: the k-th tool
+    response; every turn generates a `max_tokens` reply), alternating which goes first. ON turns run exactly as in
+    the server: the aux decodes during the agent's tool time (`gap` seconds after every round) and is preempted if a
+    turn arrives mid-decode. OFF turns start only after the aux worker has stopped at a step boundary (not timed),
+    so they see no aux work at all, and they get the aux drops of the ON session as client cache ops at the same
+    boundary, so both sessions hold the same state turn after turn (checked: equal history keys)."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from kvsteward.serve.aux import AuxConfig, Scheduler
+    from kvsteward.serve.completions import ServeLimits
+    from kvsteward.serve.metrics import Metrics
+    from kvsteward.serve.ops import SessionSpec
+    from kvsteward.serve.store import SessionStore
+    from kvsteward.synth.generate import generate_traces
+
+    use_adapter = engine.is_peft if use_adapter is None else use_adapter
+    root = Path(data_dir or tempfile.mkdtemp(prefix="kvsteward-bench-aux-"))
+    sched = Scheduler()
+    stores = {}
+    for name in ("on", "off"):
+        aux = AuxConfig(every=every, max_tokens=aux_max_tokens, use_adapter=use_adapter) if name == "on" else None
+        stores[name] = SessionStore(root / name, engine, SessionSpec(), sched, Metrics(), 1 << 40,
+                                    ServeLimits(max_tokens, max_tokens), aux=aux)
+    on, off = stores["on"], stores["off"]
+    msgs: list[dict] = []
+    for t in generate_traces(8, seed):
+        msgs = t.messages
+        if sum(m["role"] == "tool" for m in msgs) + 1 >= turns:
+            break
+    tools = [m for m in msgs if m["role"] == "tool"]
+    bodies = [[m for m in msgs[:2]]] + [[m] for m in tools][: turns - 1]
+    sids = {name: s.create({}).id for name, s in stores.items()}
+    lat: dict[str, list[float]] = {"on": [], "off": []}
+    identical, n_off = True, 0
+    try:
+        for k, new in enumerate(bodies):
+            t0 = time.perf_counter()
+            r_on = on.run_turn(sids["on"], {"messages": new, "max_tokens": max_tokens})
+            lat["on"].append(time.perf_counter() - t0)
+            time.sleep(gap / 2)  # half of the agent's tool time: the aux thread runs here
+            body = {"messages": new, "max_tokens": max_tokens}
+            dropped = (r_on.get("aux") or {}).get("dropped") or []
+            if dropped:  # the same drop, as a client cache op at the same boundary: the same engine op
+                body["cache"] = {"drop": {str(n_off - 1): dropped}}
+            with sched.main():  # the aux stops at its next step boundary; not timed
+                sched.quiesce()
+                t0 = time.perf_counter()
+                r_off = off.run_turn(sids["off"], body)
+                lat["off"].append(time.perf_counter() - t0)
+            n_off = r_off["n_messages"]
+            identical = identical and r_on["history_key"] == r_off["history_key"]
+            if progress:
+                progress(f"turn {k + 1}/{len(bodies)}: on {lat['on'][-1]:.2f}s, off {lat['off'][-1]:.2f}s, "
+                         f"aux decisions {on.metrics.aux_decisions._value.get():.0f}, dropped {dropped}")
+            time.sleep(gap / 2)
+        on.worker.wait_idle(timeout=120)
+    finally:
+        on.close()
+    m = on.metrics
+    mean_on, mean_off = statistics.fmean(lat["on"]), statistics.fmean(lat["off"])
+    return {"main_latency_ratio_on_over_off": mean_on / mean_off,
+            "median_turn_ratio_on_over_off": statistics.median(a / b for a, b in zip(lat["on"], lat["off"],
+                                                                                       strict=True)),
+            "mean_main_turn_s_on": mean_on, "mean_main_turn_s_off": mean_off,
+            "max_main_turn_delay_s": max(a - b for a, b in zip(lat["on"], lat["off"], strict=True)),
+            "turns": len(bodies), "every": every, "gap_s": gap, "max_tokens": max_tokens,
+            "aux_max_tokens": aux_max_tokens, "aux_use_adapter": use_adapter,
+            "aux_decisions": int(m.aux_decisions._value.get()), "aux_deleted_cursors": int(m.aux_deleted._value.get()),
+            "aux_preemptions": int(m.aux_preemptions._value.get()),
+            "aux_mean_s": m.aux_seconds._sum.get() / max(1.0, m.aux_decisions._value.get()),
+            "aux_errors": int(m.aux_errors._value.get()), "identical_sessions": identical,
+            "final_tokens": on._records[sids["on"]].session.n_logical,
+            "final_resident_on": on._records[sids["on"]].session.resident}

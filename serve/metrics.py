@@ -41,6 +41,28 @@ class Metrics:
         self.rebuild_seconds = Histogram(p + "session_rebuild_seconds", "Time to rebuild a session from its log",
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.generated_tokens = Counter(p + "generated_tokens_total", "Tokens generated", registry=r)
+        # the aux memory-manager thread (SideQuest)
+        self.aux_decisions = Counter(p + "aux_decisions_total", "Aux-thread decisions made (one per aux run)",
+                                     registry=r)
+        self.aux_deleted = Counter(p + "aux_deleted_cursors_total",
+                                   "Cursors (tool messages) dropped by applied aux decisions", registry=r)
+        self.aux_seconds = Histogram(p + "aux_seconds", "Wall time of one aux run (fork to decision, waits included)",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.aux_preemptions = Counter(p + "aux_preemptions_total",
+                                       "Aux steps that waited for main work (the aux thread yielded)", registry=r)
+        self.aux_errors = Counter(p + "aux_errors_total", "Aux runs that failed (the session got no decision)",
+                                  registry=r)
+        # storage tiers of idle sessions
+        self.tier_stores = Counter(p + "tier_stores_total", "Session states written into a tier (unload or demotion)",
+                                   ["tier"], registry=r)
+        self.tier_restores = Counter(p + "tier_restores_total", "Sessions restored from a tier", ["tier"], registry=r)
+        self.tier_restore_seconds = Histogram(p + "tier_restore_seconds", "Time to restore a session from a tier",
+                                              ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tier_bytes = Gauge(p + "tier_bytes", "Bytes of session states held by a tier (this process's view)",
+                                ["tier"], registry=r)
+        self.tier_stale = Counter(p + "tier_stale_total",
+                                  "Tier copies discarded because they did not match the persisted history",
+                                  registry=r)
 
     def reuse(self, requested: int, reused: int) -> None:
         self.tokens_requested.inc(requested)

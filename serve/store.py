@@ -10,7 +10,16 @@ drops, repositions; evictions and renumbers happen again by themselves) — the 
 the state is the one acknowledged — and the rebuilt history must equal the persisted one op for op, or the rebuild
 fails loudly. A torn last line (a kill during the write, never acknowledged) is cut off on load.
 
-Idle sessions beyond `max_bytes` of KV are unloaded LRU and rebuilt from their log on the next access.
+Idle sessions beyond `max_bytes` of KV are unloaded LRU: their snapshot goes down the storage tiers (host memory →
+local disk → Valkey, `serve/tiers.py`) and comes back bit for bit on the next access; a tier copy is used only if its
+op history equals the persisted one (else it is discarded), and without one the session is rebuilt from its log.
+
+The aux memory manager (SideQuest, `serve/aux.py`): after every K-th turn the store hands the session to the aux
+worker, which forks it (under the session lock) and decodes `{"del_cursors": [...]}` in idle time. The decision is
+applied at the start of the session's next turn, as a drop of those tool messages before any of the turn's own ops,
+and persisted with that turn (`"aux"` in the turn record, the drop among its `"ops"`): a restart replays it exactly.
+A decision still being computed when the next turn arrives waits for the turn after (as SideQuest's main thread
+re-checks its aux thread at every step).
 """
 
 from __future__ import annotations
@@ -22,13 +31,16 @@ import re
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvsteward.serve.aux import BUSY, AuxConfig, AuxJob, AuxWorker, open_cursors
 from kvsteward.serve.completions import check_context, max_new_tokens, stop_strings
 from kvsteward.serve.decode import Decoder
 from kvsteward.serve.ops import (
     ROLE_KIND,
+    CacheSpec,
     OpsError,
     SessionSpec,
     apply_op,
@@ -137,6 +149,33 @@ def message_ranges_of(history: list[dict]) -> list[tuple[int, int]]:
     return [tuple(r) for r in ranges]
 
 
+def _history_key(history: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(history, separators=(",", ":")).encode()).hexdigest()  # = Session.history_key
+
+
+def _replayed_state(turns: list[dict]) -> tuple[list[dict], set[int], set[int], list[dict]]:
+    """Messages, dropped messages (client + aux), aux-dropped messages and engine history of persisted turns."""
+    messages: list[dict] = []
+    dropped: set[int] = set()
+    aux_dropped: set[int] = set()
+    expected: list[dict] = []
+    for t in turns:
+        expected.extend(t["ops"])
+        messages.extend(t["messages"])
+        for js in t["cache"].get("drop", {}).values():
+            dropped.update(js)
+        aux_dropped.update((t.get("aux") or {}).get("dropped", ()))
+    return messages, dropped | aux_dropped, aux_dropped, expected
+
+
+def _without(cache: CacheSpec, gone: set[int]) -> CacheSpec:
+    """The cache spec without drops of messages in `gone` (already dropped by the aux thread)."""
+    if not gone or not any(j in gone for js in cache.drop.values() for j in js):
+        return cache
+    drop = {i: tuple(j for j in js if j not in gone) for i, js in cache.drop.items()}
+    return CacheSpec(drop={i: js for i, js in drop.items() if js}, reposition=cache.reposition)
+
+
 # -- one session ----------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Record:
@@ -153,18 +192,24 @@ class Record:
     last_used: float = 0.0
     deleted: bool = False
     pending: list[dict] | None = None  # turns read at load, replayed on first use
+    aux_pending: dict | None = None  # an aux decision waiting for the next turn
+    aux_dropped: set[int] = field(default_factory=set)  # messages dropped by applied aux decisions
+    unloaded_key: str | None = None  # history key of the state snapshotted into the tiers at unload
 
     def describe(self) -> dict:
         s = self.session
         return {"id": self.id, "object": "session", "created": self.created, "config": self.spec.as_json(),
                 "turns": self.turns, "n_messages": len(self.messages), "messages": self.messages,
-                "dropped_messages": sorted(self.dropped), "resident_tokens": s.resident, "n_logical": s.n_logical,
+                "dropped_messages": sorted(self.dropped), "aux_dropped_messages": sorted(self.aux_dropped),
+                "aux_pending": self.aux_pending is not None, "resident_tokens": s.resident, "n_logical": s.n_logical,
                 "next_position": s.next_pos, "history_len": len(s.history), "history_key": s.history_key()}
 
 
 class SessionStore:
-    def __init__(self, root: Path, engine, defaults: SessionSpec, lock: threading.Lock, metrics,
-                 max_bytes: int, limits):
+    def __init__(self, root: Path, engine, defaults: SessionSpec, lock, metrics, max_bytes: int, limits,
+                 aux: AuxConfig | None = None, tiers=None):
+        """`lock`: the model lock (a `kvsteward.serve.aux.Scheduler` when `aux` is given: main work has priority);
+        `tiers`: a `kvsteward.serve.tiers.SessionTiers` for unloaded sessions (None: unload = drop, rebuild)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.engine, self.defaults, self.lock, self.metrics = engine, defaults, lock, metrics
@@ -175,6 +220,31 @@ class SessionStore:
         self.fingerprint = model_fingerprint(engine)
         self._known = {p.stem for p in self.root.glob("sess_*.jsonl") if ID_RE.match(p.stem)}
         self.metrics.sessions_known.set(len(self._known))
+        self.tiers = tiers
+        self.aux = aux
+        self.worker = None
+        if aux is not None:
+            if not hasattr(lock, "aux_step"):
+                raise ValueError("the aux worker needs a Scheduler as the model lock")
+            self.worker = AuxWorker(engine.tokenizer, lock, aux, self, metrics)
+            self.worker.warm()
+
+    def main(self):
+        """Context of one main request (the aux worker starts no forward meanwhile)."""
+        return self.lock.main() if hasattr(self.lock, "main") else nullcontext()
+
+    def run_turn(self, sid: str, body: dict) -> dict:
+        """A whole main turn: acquire (restore if needed), turn, release."""
+        with self.main():
+            rec = self.acquire(sid)
+            try:
+                return self.turn(rec, body)
+            finally:
+                self.release(rec)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
     def create(self, body: dict) -> Record:
@@ -216,7 +286,7 @@ class SessionStore:
             raise SessionNotFound(sid)
         try:
             if load and rec.session is None:
-                self._rebuild(rec)
+                self._restore(rec)
         except BaseException:
             rec.lock.release()
             raise
@@ -231,7 +301,9 @@ class SessionStore:
         try:
             rec.log.path.unlink(missing_ok=True)
             _fsync_dir(self.root)
-            rec.deleted, rec.session = True, None
+            rec.deleted, rec.session, rec.aux_pending = True, None, None
+            if self.tiers is not None:
+                self.tiers.discard(sid)
             with self._guard:
                 self._records.pop(sid, None)
                 self._known.discard(sid)
@@ -254,30 +326,48 @@ class SessionStore:
                            blueprint=resolve_blueprint(s["blueprint"], None))
         return Record(sid, spec, head.get("tools"), head["created"], log, pending=records[1:])
 
+    def _restore(self, rec: Record) -> None:
+        """Load the session: from the highest storage tier holding a state whose op history is the persisted one,
+        else by replaying the log."""
+        turns = rec.pending
+        expected_key = rec.unloaded_key
+        rec.unloaded_key = None
+        if self.tiers is not None:
+            if turns is not None:  # first load in this process: the log says what the state must be
+                expected_key = _history_key([op for t in turns for op in t["ops"]])
+            got = self.tiers.take(rec.id, self.engine, rec.spec.new_session(self.engine).config)
+            if got is not None:
+                if expected_key is not None and got.session.history_key() == expected_key:
+                    if turns is not None:
+                        rec.messages, rec.dropped, rec.aux_dropped, _ = _replayed_state(turns)
+                        rec.turns, rec.pending = len(turns), None
+                    rec.session = got.session
+                    self.metrics.tier_restores.labels(got.tier).inc()
+                    self.metrics.tier_restore_seconds.labels(got.tier).observe(got.seconds)
+                    self._publish()
+                    return
+                self.metrics.tier_stale.inc()
+        self._rebuild(rec)
+
     def _rebuild(self, rec: Record) -> None:
         t0 = time.perf_counter()
         turns = rec.pending
         if turns is None:
             turns = rec.log.read()[1:]
         session = rec.spec.new_session(self.engine)
-        expected: list[dict] = []
-        messages: list[dict] = []
-        dropped: set[int] = set()
         for t in turns:
             try:
                 with self.lock:  # hold the engine for a whole turn: replay is a burst of forwards
                     replay(session, t["ops"])
             except (ValueError, KeyError, TypeError) as e:  # CacheOpError included: a log the engine refuses
                 raise RebuildError(f"session {rec.id}: turn {t.get('turn')} does not replay: {e}") from e
-            expected.extend(t["ops"])
-            messages.extend(t["messages"])
-            for js in t["cache"].get("drop", {}).values():
-                dropped.update(js)
+        messages, dropped, aux_dropped, expected = _replayed_state(turns)
         if session.history != expected:
             at = next((i for i, (a, b) in enumerate(zip(session.history, expected, strict=False)) if a != b),
                       min(len(session.history), len(expected)))
             raise RebuildError(f"session {rec.id}: replay diverged from the persisted history at op {at}")
         rec.session, rec.messages, rec.dropped, rec.turns = session, messages, dropped, len(turns)
+        rec.aux_dropped = aux_dropped
         rec.pending = None
         self.metrics.rebuild_seconds.observe(time.perf_counter() - t0)
         self._publish()
@@ -295,8 +385,16 @@ class SessionStore:
         n_old = len(rec.messages)
         msgs = rec.messages + new
         pieces = message_pieces(tok, msgs, rec.tools, start=n_old)
-        cache = parse_cache(body.get("cache"), len(msgs), first=n_old, dropped=frozenset(rec.dropped))
+        # a client that drops a message the aux thread already dropped is not refused: that drop is a no-op
+        cache = parse_cache(body.get("cache"), len(msgs), first=n_old, dropped=frozenset(rec.dropped - rec.aux_dropped))
+        cache = _without(cache, rec.aux_dropped)
         ops = build_ops(pieces, [ROLE_KIND[m["role"]] for m in new], cache, first=n_old)
+        aux, aux_msgs = rec.aux_pending, []
+        if aux is not None:  # the aux decision runs first: "after the main thread's (previous) turn"
+            client = {j for js in cache.drop.values() for j in js}
+            aux_msgs = sorted(c for c in aux["del_cursors"] if c < n_old and c not in rec.dropped and c not in client)
+            if aux_msgs:
+                ops = [("drop", tuple(aux_msgs)), *ops]
         n_new, stops = 0, ()
         if generate:
             n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
@@ -306,19 +404,67 @@ class SessionStore:
         try:
             reply = self._apply(rec, session, msgs, ops, generate, n_new, stops)
             new_messages = new + ([{"role": "assistant", "content": reply["content"]}] if reply else [])
-            rec.log.append({"type": "turn", "turn": rec.turns, "messages": new_messages, "cache": cache.as_json(),
-                            "ops": session.history[h0:], "reply": reply})
+            record = {"type": "turn", "turn": rec.turns, "messages": new_messages, "cache": cache.as_json(),
+                      "ops": session.history[h0:], "reply": reply}
+            if aux is not None:
+                record["aux"] = {**aux, "dropped": aux_msgs}
+            rec.log.append(record)
         except BaseException:
             rec.session = None  # partly applied and never persisted: rebuild from the log on next use
-            raise
+            raise  # (a pending aux decision stays pending)
         self.metrics.persisted_turns.inc()
         rec.messages = msgs + new_messages[len(new):]
         rec.dropped.update(j for js in cache.drop.values() for j in js)
+        if aux is not None:
+            rec.aux_pending = None
+            rec.dropped.update(aux_msgs)
+            rec.aux_dropped.update(aux_msgs)
+            self.metrics.aux_deleted.inc(len(aux_msgs))
         rec.turns += 1
+        if self.worker is not None and rec.turns % self.aux.every == 0:
+            self.worker.submit(rec.id)  # runs once this request is answered (main work has priority)
         return {"id": rec.id, "object": "session.turn", "turn": rec.turns - 1, "n_messages": len(rec.messages),
                 "reply": reply, "resident_tokens": session.resident, "n_logical": session.n_logical,
                 "next_position": session.next_pos, "history_len": len(session.history),
-                "history_key": session.history_key(), "persisted": True}
+                "history_key": session.history_key(), "persisted": True,
+                "aux": None if aux is None else {**aux, "dropped": aux_msgs}}
+
+    # -- the aux worker's side --------------------------------------------------------------------------------------
+    def aux_fork(self, sid: str):
+        """Called by the aux worker holding the model lock: a fork of the session's current state (an AuxJob),
+        None when there is nothing to do, or BUSY when the session is in use (never blocks on it)."""
+        with self._guard:
+            rec = self._records.get(sid)
+        if rec is None:
+            return None
+        if not rec.lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if rec.deleted or rec.session is None or rec.aux_pending is not None:
+                return None  # deleted, unloaded meanwhile, or a decision not applied yet
+            open_c = open_cursors(rec.messages, rec.dropped)
+            if not open_c:
+                return None
+            fork = rec.session.fork()  # copies the slot table (resident KV); the main session is never written
+            fork.config.use_adapter = self.aux.use_adapter
+            return AuxJob(fork, list(rec.messages), open_c, rec.turns)
+        finally:
+            rec.lock.release()
+
+    def aux_deliver(self, sid: str, job: AuxJob, decision, seconds: float) -> None:
+        """The decision, to be applied before the session's next turn."""
+        self.metrics.aux_decisions.inc()
+        self.metrics.aux_seconds.observe(seconds)
+        with self._guard:
+            rec = self._records.get(sid)
+        if rec is None:
+            return
+        with rec.lock:  # the worker holds no model lock here: waiting for a turn to finish is safe
+            if rec.deleted:
+                return
+            rec.aux_pending = {"fork_turn": job.turn, "open_cursors": job.open_cursors,
+                               "del_cursors": decision.del_cursors, "text": decision.text,
+                               "truncated": decision.truncated, "seconds": round(seconds, 6)}
 
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
                stops: tuple[str, ...]) -> dict | None:
@@ -365,6 +511,7 @@ class SessionStore:
         self._publish()
 
     def _unload_idle(self) -> None:
+        victims = []
         with self._guard:
             loaded = [r for r in self._records.values() if r.session is not None]
             total = sum(r.session.table.allocated_bytes() for r in loaded)
@@ -373,12 +520,20 @@ class SessionStore:
                     break
                 if not r.lock.acquire(blocking=False):  # in use: never unload
                     continue
-                try:
-                    total -= r.session.table.allocated_bytes()
-                    r.session = None
-                    self.metrics.session_unloads.inc()
-                finally:
+                if r.session is None:
                     r.lock.release()
+                    continue
+                total -= r.session.table.allocated_bytes()
+                victims.append(r)
+        for r in victims:  # snapshots outside the guard, each under its session's lock
+            try:
+                if self.tiers is not None:
+                    self.tiers.put(r.id, r.session)
+                    r.unloaded_key = r.session.history_key()
+                r.session = None
+                self.metrics.session_unloads.inc()
+            finally:
+                r.lock.release()
 
     def _publish(self) -> None:
         with self._guard:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,3 +185,93 @@ class TieredStore:
                     tier.delete(key)
                 return Fetched(s, tier.name, seconds)
         raise KeyError(f"no tier holds state {key!r}")
+
+
+class SessionTiers:
+    """The server's idle-session tiers: an unloaded session's snapshot enters the top tier; each tier has a byte
+    budget beyond which its least recently stored states move one tier down (write below, then delete above); beyond
+    the last tier's budget a state is deleted (the session then rebuilds from its persisted history). `take` fetches
+    a state from the highest tier holding it and deletes it everywhere: once loaded, the live session is the state.
+    """
+
+    def __init__(self, tiers: list, budgets: list[int | None], metrics=None):
+        if len(tiers) != len(budgets):
+            raise ValueError("one budget per tier")
+        self.store = TieredStore(tiers)
+        self.budgets = budgets
+        self.metrics = metrics
+        self._where: dict[str, tuple[int, int]] = {}  # key -> (tier index, bytes), insertion order = LRU order
+        self._lock = threading.Lock()
+
+    @property
+    def tiers(self) -> list:
+        return self.store.tiers
+
+    def adopt(self, key: str, tier: int, nbytes: int) -> None:
+        """Register a state already in a tier (a disk blob found at start-up)."""
+        with self._lock:
+            self._where[key] = (tier, nbytes)
+            self._enforce()
+
+    def put(self, key: str, s: Session) -> int:
+        blob = snapshot(s)
+        with self._lock:
+            self._discard(key)
+            self.tiers[0].put(key, blob)
+            self._where[key] = (0, len(blob))
+            self._count(0)
+            self._enforce()
+            return len(blob)
+
+    def take(self, key: str, engine, config: SessionConfig) -> Fetched | None:
+        with self._lock:
+            try:
+                got = self.store.fetch(key, engine, config, promote=False)
+            except KeyError:
+                got = None
+            self._discard(key)
+            self._publish()
+        return got
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._discard(key)
+            self._publish()
+
+    def where(self, key: str) -> str | None:
+        i = self.store.where(key)
+        return None if i is None else self.tiers[i].name
+
+    def _discard(self, key: str) -> None:
+        self._where.pop(key, None)
+        for tier in self.tiers:
+            tier.delete(key)
+
+    def _count(self, i: int) -> None:
+        if self.metrics is not None:
+            self.metrics.tier_stores.labels(self.tiers[i].name).inc()
+
+    def _enforce(self) -> None:
+        for i, budget in enumerate(self.budgets):
+            if budget is None:
+                continue
+            held = [(k, n) for k, (t, n) in self._where.items() if t == i]
+            total = sum(n for _, n in held)
+            for key, nbytes in held:  # oldest first
+                if total <= budget:
+                    break
+                total -= nbytes
+                if i + 1 < len(self.tiers):
+                    self.store.demote(key)
+                    self._where.pop(key)
+                    self._where[key] = (i + 1, nbytes)  # re-inserted: the newest of the tier below
+                    self._count(i + 1)
+                else:
+                    self._discard(key)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.metrics is None:
+            return
+        for i, tier in enumerate(self.tiers):
+            self.metrics.tier_bytes.labels(tier.name).set(sum(n for t, n in self._where.values() if t == i))
