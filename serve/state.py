@@ -6,8 +6,9 @@ op sequence, takes the deepest node holding a state, forks it (an independent co
 two requests share state exactly up to the first token or op that differs, and a drop in one request never changes
 another's state (the cache only ever hands out copies).
 
-Memory is bounded by the bytes the held states allocate: least-recently-used states go first, a state being forked
-right now (pinned) never goes, and emptied nodes stay while they lead to other states so those remain findable.
+Memory is bounded by the bytes the held states allocate: states that a held continuation has superseded through a
+drop go first (their dropped KV serves only requests that do not drop), then least-recently-used ones; a state being
+forked right now (pinned) never goes, and emptied nodes stay while they lead to other states so those remain findable.
 """
 
 from __future__ import annotations
@@ -126,10 +127,24 @@ class PrefixCache:
                 yield node
             stack.extend(node.children.values())
 
+    @staticmethod
+    def _superseded_by_drop(node: _Node) -> bool:
+        """True when a deeper held state continues from `node` through a drop: its KV still holds tokens that the
+        live continuation no longer attends (AKV: dropped KV is freed before finished requests' KV)."""
+        stack = [(child, child.key[0] == "drop") for child in node.children.values()]
+        while stack:
+            n, via_drop = stack.pop()
+            if via_drop and n.state is not None:
+                return True
+            stack.extend((c, via_drop or c.key[0] == "drop") for c in n.children.values())
+        return False
+
     def _evict_to_budget(self, keep: _Node) -> None:
         if self.bytes <= self.max_bytes:
             return
-        for node in sorted(self._held(), key=lambda n: n.last_used):
+        # states a drop has superseded go first, then least recently used
+        order = sorted(self._held(), key=lambda n: (not self._superseded_by_drop(n), n.last_used))
+        for node in order:
             if self.bytes <= self.max_bytes:
                 break
             if node is keep or node.pins:

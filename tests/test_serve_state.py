@@ -148,3 +148,24 @@ def test_compact_copy_is_exact_and_tight(engine):
     assert c.table.allocated_bytes() < s.table.allocated_bytes()
     nxt = MSGS["D"]
     assert torch.equal(c.append(nxt), s.fork().append(nxt))
+
+
+def test_state_superseded_by_a_drop_is_evicted_before_an_older_finished_one(engine):
+    spec = SessionSpec(chunk=4)
+    svc = service(engine)
+    ops1, _ = request(*REQUESTS["r1"])
+    s1, _ = build(svc, "r1", spec)
+    ops2, ranges2 = request(*REQUESTS["r2"])  # A, B, drop(0), C
+    s2, _ = build(svc, "r2", spec)
+    cut = ops2.index(("drop", (0,)))
+    s0, _ = svc._build(spec, ops2[:cut], ranges2)  # the state before the drop: A, B
+    size = {k: compact_copy(s).table.allocated_bytes() for k, s in {"r1": s1, "r2": s2, "r0": s0}.items()}
+    cache = PrefixCache(max_bytes=sum(size.values()) - 1)  # one of the three must go
+    cache.insert(spec, ops1, s1)  # oldest: plain LRU would evict this finished request
+    cache.insert(spec, ops2[:cut], s0)
+    cache.insert(spec, ops2, s2)
+    assert cache.evictions == 1
+    assert cache._path(spec, ops1, create=False).state is not None
+    assert cache._path(spec, ops2[:cut], create=False).state is None  # superseded through the drop: freed first
+    forked, depth = cache.lookup_fork(spec, ops2)
+    assert depth == len(ops2) and torch.equal(forked.last_logits, s2.last_logits)
