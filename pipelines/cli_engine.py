@@ -167,7 +167,7 @@ def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = t
 def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
         adapter: str = typer.Option("", help="PEFT LoRA folder of the memory manager (omit: the base model)"),
         turns: int = typer.Option(12, help="turns of the agent session (turn 0 + one per tool response)"),
-        every: int = typer.Option(2, help="aux thread after every K-th turn"),
+        every: int = typer.Option(2, help="aux thread at every K-th tool response"),
         gap: float = typer.Option(0.5, help="the agent's tool time between turns, seconds (the aux runs here)"),
         max_tokens: int = typer.Option(16, help="reply tokens per main turn"),
         aux_max_tokens: int = typer.Option(24, help="decode budget of one aux decision"),

@@ -30,7 +30,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           data_dir: Path = typer.Option(None, help="where sessions persist (default: $KVSTEWARD_HOME)"),
           dtype: str = typer.Option("float32", help="model dtype: float32 | bfloat16 | float16"),
           adapter: Path = typer.Option(None, help="PEFT LoRA folder of the learned memory manager (aux thread)"),
-          aux_every: int = typer.Option(None, help="run the aux thread after every K-th turn of a session "
+          aux_every: int = typer.Option(None, help="run the aux thread at every K-th tool response of a session "
                                                    "(default 4 with --adapter or --aux-base; off otherwise)"),
           aux_base: bool = typer.Option(False, help="run the aux thread with the base model (no adapter; testing)"),
           aux_max_tokens: int = typer.Option(48, help="decode budget of one aux decision"),

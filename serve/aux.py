@@ -1,18 +1,19 @@
 """The auxiliary memory-management thread (SideQuest): the model itself decides which tool responses are stale.
 
-Every K turns: fork the main session (the fork reads the main KV; the main session is never written), append the
-trigger message `Memory management mode` and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under
-a constraint that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the
-deletion to the main session as a `drop` after the main thread's current turn. The aux tokens never enter the main
-context.
+At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork
+the main session (the fork reads the main KV; the main session is never written), append the trigger message
+`Memory management mode` and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under a constraint
+that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the deletion to the
+main session as a `drop` at its next turn. The aux tokens never enter the main context.
 
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors": [` prefix; at each step
 only vocabulary tokens made of `0-9 , ] }` and space are candidates (a few hundred), each checked against it.
 
-In the server (`SessionStore` with an `AuxConfig`): `Scheduler` is the model lock with priorities (main requests
-first; the aux takes the lock only while no request is in progress) and `AuxWorker` is one background thread that
-runs `aux_steps` — the same decode as `run_aux`, cut into steps of at most one forward — taking the lock per step, so
-a request arriving mid-decode waits for at most one aux forward.
+In the server (`SessionStore` with an `AuxConfig`): the store takes the fork inside the main turn, right after the
+boundary's tool message was appended and before the reply is generated (`fork_point`), and hands it to `AuxWorker`,
+one background thread that runs `aux_steps` — the same decode as `run_aux`, cut into steps of at most one forward —
+under `Scheduler`, the model lock with priorities (main requests first; the aux takes the lock only while no request
+is in progress, per step), so a request arriving mid-decode waits for at most one aux forward.
 """
 
 from __future__ import annotations
@@ -153,6 +154,24 @@ def open_cursors(messages: list[dict], dropped) -> list[int]:
     return [i for i, m in enumerate(messages) if m.get("role") == "tool" and i not in dropped]
 
 
+def fork_point(messages: list[dict], first: int, every: int) -> int | None:
+    """Where a turn that appends `messages[first:]` forks the aux thread: the index t of the last new tool message
+    that is the K-th, 2K-th, ... tool response of the session (`every` = K, counting every tool message, dropped ones
+    included), or None. The fork is the state right after message t (and the cache ops that belong right after it),
+    before the next message or the reply: exactly `synth.hindsight.boundaries(trace, K)`'s boundary t + 1. A turn
+    that crosses two multiples of K forks once, at the later one."""
+    if every < 1:
+        raise ValueError(f"aux every K must be >= 1, got {every}")
+    count = sum(m.get("role") == "tool" for m in messages[:first])
+    out = None
+    for i in range(first, len(messages)):
+        if messages[i].get("role") == "tool":
+            count += 1
+            if count % every == 0:
+                out = i
+    return out
+
+
 def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int],
               max_tokens: int = 64) -> Generator[None, None, AuxDecision]:
     """The aux thread on `fork` (a fork of the main session, adapter set by the caller) as a generator of steps:
@@ -258,7 +277,7 @@ class Scheduler:
 
 @dataclass
 class AuxConfig:
-    every: int = 4  # after every K-th turn of a session
+    every: int = 4  # fork right after every K-th tool response of a session (`fork_point`)
     max_tokens: int = 48  # decode budget of one `{"del_cursors": [...]}`
     use_adapter: bool = True  # False: the base model is the manager (testing, or no adapter trained yet)
 
@@ -271,21 +290,21 @@ class AuxConfig:
 
 @dataclass
 class AuxJob:
-    """What the worker took from a session under its lock: a fork and the context it was taken in."""
+    """A fork taken by the store inside a main turn, at a boundary, and the context it was taken in."""
 
-    fork: Session
-    messages: list[dict]
-    open_cursors: list[int]
-    turn: int  # the fork is the state after this many turns
-
-
-BUSY = object()  # the session is in use: try the fork again later
+    fork: Session  # the main state right after the boundary's tool message (use_adapter already set)
+    messages: list[dict]  # the session's messages up to and including that tool message
+    open_cursors: list[int]  # tool messages among them not dropped at the fork point
+    turn: int  # the index of the turn the fork was taken in
+    fork_key: str = ""  # the fork's history key before the trigger (what the manager saw), set by `aux_take`
+    fork_s: float = 0.0  # what taking the fork cost the main turn
 
 
 class AuxWorker:
     """One background thread running the aux memory manager for the sessions of a store, step by step under the
-    scheduler. The store supplies `aux_fork(sid)` (an AuxJob, None to skip, or BUSY) and
-    `aux_deliver(sid, job, decision, seconds)`; the decision is applied by the store before the session's next turn.
+    scheduler. The store supplies `aux_take(sid)` (the AuxJob it forked, or None) and
+    `aux_deliver(sid, job, decision | None, seconds)` (None: no decision, the job is abandoned); the decision is
+    applied by the store at the session's next turn.
     """
 
     def __init__(self, tokenizer, sched: Scheduler, config: AuxConfig, store, metrics=None):
@@ -361,28 +380,28 @@ class AuxWorker:
 
     def _run(self, sid: str) -> None:
         t0 = time.perf_counter()
-        while True:  # the fork: under the session's lock (never blocking on it while holding the model lock)
-            with self.sched.aux_step():
-                job = self.store.aux_fork(sid)
-            if job is not BUSY:
-                break
-            time.sleep(0.005)
-        if job is None or self._stop:
+        job = self.store.aux_take(sid)  # forked by the main turn already: no model lock, no session lock needed
+        if job is None:
             return
-        steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens)
-        k = 0
-        while True:
-            if self.step_hook is not None:
-                self.step_hook(sid, k)
+        decision = None
+        try:
             if self._stop:
                 return
-            with self.sched.aux_step() as waited:
-                if waited and self.metrics is not None:
-                    self.metrics.aux_preemptions.inc()
-                try:
-                    next(steps)
-                except StopIteration as stop:
-                    decision = stop.value
-                    break
-            k += 1
-        self.store.aux_deliver(sid, job, decision, time.perf_counter() - t0)
+            steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens)
+            k = 0
+            while True:
+                if self.step_hook is not None:
+                    self.step_hook(sid, k)
+                if self._stop:
+                    return
+                with self.sched.aux_step() as waited:
+                    if waited and self.metrics is not None:
+                        self.metrics.aux_preemptions.inc()
+                    try:
+                        next(steps)
+                    except StopIteration as stop:
+                        decision = stop.value
+                        break
+                k += 1
+        finally:  # a decision, or None (an error or a shutdown): either way the session may fork again
+            self.store.aux_deliver(sid, job, decision, time.perf_counter() - t0)

@@ -184,8 +184,9 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
     """Main-turn latency with the aux thread on vs off, side by side in one run (target ratio <= 1.05).
 
     Two persistent-session stores share the engine and its scheduler: ON runs the aux thread after every `every`-th
-    turn, OFF has none. Both play the same synthesized agent trace (turn 0: system + question; turn k: the k-th tool
-    response; every turn generates a `max_tokens` reply), alternating which goes first. ON turns run exactly as in
+    tool response (forked inside the turn, before the reply: that fork is the aux's only cost to a main turn,
+    reported as `aux_fork_*`), OFF has none. Both play the same synthesized agent trace (turn 0: system + question;
+    turn k: the k-th tool response; every turn generates a `max_tokens` reply). ON turns run exactly as in
     the server: the aux decodes during the agent's tool time (`gap` seconds after every round) and is preempted if a
     turn arrives mid-decode. OFF turns start only after the aux worker has stopped at a step boundary (not timed),
     so they see no aux work at all, and they get the aux drops of the ON session as client cache ops at the same
@@ -257,5 +258,7 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
             "aux_preemptions": int(m.aux_preemptions._value.get()),
             "aux_mean_s": m.aux_seconds._sum.get() / max(1.0, m.aux_decisions._value.get()),
             "aux_errors": int(m.aux_errors._value.get()), "identical_sessions": identical,
+            "aux_forks": on.aux_forks, "aux_fork_mean_s": on.aux_fork_seconds / max(1, on.aux_forks),
+            "aux_fork_max_s": on.aux_fork_seconds_max,
             "final_tokens": on._records[sids["on"]].session.n_logical,
             "final_resident_on": on._records[sids["on"]].session.resident}

@@ -14,12 +14,14 @@ Idle sessions beyond `max_bytes` of KV are unloaded LRU: their snapshot goes dow
 local disk → Valkey, `serve/tiers.py`) and comes back bit for bit on the next access; a tier copy is used only if its
 op history equals the persisted one (else it is discarded), and without one the session is rebuilt from its log.
 
-The aux memory manager (SideQuest, `serve/aux.py`): after every K-th turn the store hands the session to the aux
-worker, which forks it (under the session lock) and decodes `{"del_cursors": [...]}` in idle time. The decision is
-applied at the start of the session's next turn, as a drop of those tool messages before any of the turn's own ops,
-and persisted with that turn (`"aux"` in the turn record, the drop among its `"ops"`): a restart replays it exactly.
-A decision still being computed when the next turn arrives waits for the turn after (as SideQuest's main thread
-re-checks its aux thread at every step).
+The aux memory manager (SideQuest, `serve/aux.py`): a turn that appends the K-th, 2K-th, ... tool response of the
+session forks it right after that tool message (and the cache ops that belong right after it), before the next
+message or the reply — the training boundary of `synth/hindsight.py` — and, once the turn is persisted, hands the fork
+to the aux worker, which decodes `{"del_cursors": [...]}` in idle time. The decision is applied at the start of the
+session's next turn, as a drop of those tool messages before any of the turn's own ops, and persisted with that turn
+(`"aux"` in the turn record, the drop among its `"ops"`): a restart replays it exactly. A decision still being
+computed when the next turn arrives waits for the turn after (as SideQuest's main thread re-checks its aux thread at
+every step); a boundary reached meanwhile forks nothing (one decision per session at a time).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsteward.serve.aux import BUSY, AuxConfig, AuxJob, AuxWorker, open_cursors
+from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, fork_point, open_cursors
 from kvsteward.serve.completions import check_context, max_new_tokens, stop_strings
 from kvsteward.serve.decode import Decoder
 from kvsteward.serve.ops import (
@@ -193,6 +195,7 @@ class Record:
     deleted: bool = False
     pending: list[dict] | None = None  # turns read at load, replayed on first use
     aux_pending: dict | None = None  # an aux decision waiting for the next turn
+    aux_job: AuxJob | None = None  # a fork handed to the aux worker, until its decision is delivered
     aux_dropped: set[int] = field(default_factory=set)  # messages dropped by applied aux decisions
     unloaded_key: str | None = None  # history key of the state snapshotted into the tiers at unload
 
@@ -223,6 +226,7 @@ class SessionStore:
         self.tiers = tiers
         self.aux = aux
         self.worker = None
+        self.aux_forks, self.aux_fork_seconds, self.aux_fork_seconds_max = 0, 0.0, 0.0  # the forks' main-turn cost
         if aux is not None:
             if not hasattr(lock, "aux_step"):
                 raise ValueError("the aux worker needs a Scheduler as the model lock")
@@ -301,7 +305,7 @@ class SessionStore:
         try:
             rec.log.path.unlink(missing_ok=True)
             _fsync_dir(self.root)
-            rec.deleted, rec.session, rec.aux_pending = True, None, None
+            rec.deleted, rec.session, rec.aux_pending, rec.aux_job = True, None, None, None
             if self.tiers is not None:
                 self.tiers.discard(sid)
             with self._guard:
@@ -395,14 +399,28 @@ class SessionStore:
             aux_msgs = sorted(c for c in aux["del_cursors"] if c < n_old and c not in rec.dropped and c not in client)
             if aux_msgs:
                 ops = [("drop", tuple(aux_msgs)), *ops]
+        fork_at = None  # the aux fork: right after this message (a tool response at a boundary)
+        if self.worker is not None and rec.aux_job is None:
+            fork_at = fork_point(msgs, n_old, self.aux.every)
+        aux_gone = rec.dropped | set(aux_msgs)
         n_new, stops = 0, ()
         if generate:
             n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
             stops = stop_strings(body.get("stop"))
         session = rec.session
         h0 = len(session.history)
+        job = None
+
+        def take_fork() -> None:  # called by _apply when the ops of messages <= fork_at have run
+            nonlocal job
+            gone = aux_gone | {j for i, js in cache.drop.items() if i <= fork_at for j in js}
+            open_c = open_cursors(msgs[: fork_at + 1], gone)
+            if open_c:
+                job = self._fork(rec, session, msgs[: fork_at + 1], open_c)
+
         try:
-            reply = self._apply(rec, session, msgs, ops, generate, n_new, stops)
+            reply = self._apply(rec, session, msgs, ops, generate, n_new, stops,
+                                None if fork_at is None else (fork_at - n_old, take_fork))
             new_messages = new + ([{"role": "assistant", "content": reply["content"]}] if reply else [])
             record = {"type": "turn", "turn": rec.turns, "messages": new_messages, "cache": cache.as_json(),
                       "ops": session.history[h0:], "reply": reply}
@@ -421,8 +439,9 @@ class SessionStore:
             rec.aux_dropped.update(aux_msgs)
             self.metrics.aux_deleted.inc(len(aux_msgs))
         rec.turns += 1
-        if self.worker is not None and rec.turns % self.aux.every == 0:
-            self.worker.submit(rec.id)  # runs once this request is answered (main work has priority)
+        if job is not None:  # forked in this (now persisted) turn
+            rec.aux_job = job
+            self.worker.submit(rec.id)  # decodes once this request is answered (main work has priority)
         return {"id": rec.id, "object": "session.turn", "turn": rec.turns - 1, "n_messages": len(rec.messages),
                 "reply": reply, "resident_tokens": session.resident, "n_logical": session.n_logical,
                 "next_position": session.next_pos, "history_len": len(session.history),
@@ -430,53 +449,66 @@ class SessionStore:
                 "aux": None if aux is None else {**aux, "dropped": aux_msgs}}
 
     # -- the aux worker's side --------------------------------------------------------------------------------------
-    def aux_fork(self, sid: str):
-        """Called by the aux worker holding the model lock: a fork of the session's current state (an AuxJob),
-        None when there is nothing to do, or BUSY when the session is in use (never blocks on it)."""
+    def _fork(self, rec: Record, session, messages: list[dict], open_c: list[int]) -> AuxJob:
+        """The aux fork, inside the main turn (under the session lock; no forward, so no model lock): a copy of the
+        slot table (all resident K/V, a memcpy) — the only cost the aux thread adds to a main turn."""
+        t0 = time.perf_counter()
+        fork = session.fork()  # the main session is never written
+        fork.config.use_adapter = self.aux.use_adapter
+        seconds = time.perf_counter() - t0
+        self.aux_forks += 1
+        self.aux_fork_seconds += seconds
+        self.aux_fork_seconds_max = max(self.aux_fork_seconds_max, seconds)
+        return AuxJob(fork, list(messages), open_c, rec.turns, fork_s=seconds)  # fork_key: by the worker
+
+    def aux_take(self, sid: str) -> AuxJob | None:
+        """Called by the aux worker: the fork a turn of the session handed over (None: deleted, or nothing)."""
         with self._guard:
             rec = self._records.get(sid)
-        if rec is None:
-            return None
-        if not rec.lock.acquire(blocking=False):
-            return BUSY
-        try:
-            if rec.deleted or rec.session is None or rec.aux_pending is not None:
-                return None  # deleted, unloaded meanwhile, or a decision not applied yet
-            open_c = open_cursors(rec.messages, rec.dropped)
-            if not open_c:
-                return None
-            fork = rec.session.fork()  # copies the slot table (resident KV); the main session is never written
-            fork.config.use_adapter = self.aux.use_adapter
-            return AuxJob(fork, list(rec.messages), open_c, rec.turns)
-        finally:
-            rec.lock.release()
+        job = None if rec is None or rec.deleted else rec.aux_job
+        if job is not None and not job.fork_key:
+            job.fork_key = job.fork.history_key()  # before the trigger: what the manager sees (off the main turn)
+        return job
 
     def aux_deliver(self, sid: str, job: AuxJob, decision, seconds: float) -> None:
-        """The decision, to be applied before the session's next turn."""
-        self.metrics.aux_decisions.inc()
-        self.metrics.aux_seconds.observe(seconds)
+        """The decision (None: none, the run failed or stopped), to be applied at the session's next turn."""
+        if decision is not None:
+            self.metrics.aux_decisions.inc()
+            self.metrics.aux_seconds.observe(seconds)
         with self._guard:
             rec = self._records.get(sid)
         if rec is None:
             return
         with rec.lock:  # the worker holds no model lock here: waiting for a turn to finish is safe
-            if rec.deleted:
+            if rec.aux_job is job:
+                rec.aux_job = None
+            if rec.deleted or decision is None:
                 return
-            rec.aux_pending = {"fork_turn": job.turn, "open_cursors": job.open_cursors,
-                               "del_cursors": decision.del_cursors, "text": decision.text,
-                               "truncated": decision.truncated, "seconds": round(seconds, 6)}
+            rec.aux_pending = {"fork_turn": job.turn, "boundary": len(job.messages), "fork_key": job.fork_key,
+                               "open_cursors": job.open_cursors, "del_cursors": decision.del_cursors,
+                               "text": decision.text, "truncated": decision.truncated,
+                               "fork_s": round(job.fork_s, 6), "seconds": round(seconds, 6)}
 
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
-               stops: tuple[str, ...]) -> dict | None:
+               stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:
+        """Run the ops, then the reply. `fork`: (k, callback) — call it once the ops of the turn's k-th new message
+        (0-based, the ops that belong right after it included) have run, before the next append or the reply."""
         from kvsteward.serve.completions import stop_ids
 
         ranges = message_ranges_of(session.history)
         offset = session.n_logical
+        appended = 0
         for op in ops:  # ranges grow as appends happen (drops only refer to earlier messages)
             if op[0] == "append":
+                if fork is not None and appended > fork[0]:
+                    fork[1]()
+                    fork = None
                 ranges.append((offset, offset + len(op[2])))
                 offset += len(op[2])
+                appended += 1
             apply_op(session, op, ranges, self.lock)
+        if fork is not None:
+            fork[1]()
         if not generate:
             return None
         tok = self.engine.tokenizer

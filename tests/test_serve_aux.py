@@ -1,6 +1,7 @@
-"""The aux memory-manager thread inside the server (SideQuest): its drop is the engine-level `run_aux` decision applied
-as a drop before the next turn; it runs only in idle time and yields to main requests; a restart replays it exactly;
-main turns never see half of one. Also the `bench aux` plumbing."""
+"""The aux memory-manager thread inside the server (SideQuest): it forks at the training boundary (right after the K-th
+tool response, before the reply: `synth.hindsight.boundaries`); its drop is the engine-level `run_aux` decision on
+that state applied as a drop before the next turn; it runs only in idle time and yields to main requests; a restart
+replays it exactly; main turns never see half of one. Also the `bench aux` plumbing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from starlette.testclient import TestClient
 
 from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.aux import AuxConfig, _candidates, open_cursors, run_aux
+from kvsteward.serve.aux import AuxConfig, _candidates, fork_point, open_cursors, run_aux
 from kvsteward.serve.testing import tiny_chat_engine
 
 torch.set_num_threads(1)
@@ -72,37 +73,87 @@ def twin_turns(engine, path, acks: list[dict], turns: list[dict]) -> tuple[objec
     for ack, body in zip(acks, turns, strict=True):
         body = dict(body)
         if ack["aux"] and ack["aux"]["dropped"]:
-            body["cache"] = {"drop": {str(n - 1): ack["aux"]["dropped"]}}
+            body["cache"] = {**body.get("cache", {}), "drop": {**body.get("cache", {}).get("drop", {}),
+                                                              str(n - 1): ack["aux"]["dropped"]}}
         out.append(turn(c, sid, body))
         n = out[-1]["n_messages"]
     return app, sid, out
 
 
+def no_reply(body: dict, keep: int | None = None) -> dict:
+    """The turn's messages (the first `keep` of them) appended with no reply: the state at a training boundary."""
+    return {k: v for k, v in body.items() if k not in ("max_tokens", "generate")} | {
+        "messages": body["messages"][:keep], "generate": False}
+
+
+def by_hand(engine, path, acks: list[dict], turns: list[dict], use_adapter: bool = False):
+    """The hindsight boundary by hand: an aux-less server replays `turns` (the last one ending with the boundary's
+    tool message, no reply), then `run_aux` on that state with the trigger. (session, messages, open, decision)"""
+    app, sid, _ = twin_turns(engine, path, acks, turns)
+    rec = live(app, sid)
+    assert rec.messages[-1]["role"] == "tool" and rec.session.history[-1]["kind"] == "tool"
+    opened = open_cursors(rec.messages, rec.dropped)
+    decision = run_aux(rec.session, engine.tokenizer, rec.messages, opened, max_tokens=16, use_adapter=use_adapter)
+    return rec.session, rec.messages, opened, decision
+
+
+def test_fork_point_is_hindsight_boundary():
+    """An agent loop (one tool response per turn, each followed by a generated reply): the server's fork points are
+    exactly `boundaries(trace, K)` - 1, for every K."""
+    from kvsteward.synth.hindsight import boundaries
+    from kvsteward.synth.trace import Trace
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    while len(msgs) < 24:
+        msgs += [{"role": "tool", "content": f"[cursor {len(msgs)}] r"}, {"role": "assistant", "content": "a"}]
+    trace = Trace("t", "train", msgs, {})
+    for every in (1, 2, 3, 5):
+        got = []
+        for n_old in range(3, len(msgs), 2):  # turn: [tool] appended to msgs[:n_old], then the reply
+            t = fork_point(msgs[: n_old + 1], n_old, every)
+            if t is not None:
+                got.append(t + 1)
+        assert got == boundaries(trace, every), every
+    # a turn crossing two multiples forks once, at the later one; a turn with no tool message never forks
+    two = msgs[:3] + [msgs[3], {"role": "tool", "content": "r"}, {"role": "user", "content": "u"}]
+    assert fork_point(two, 3, 1) == 4 and fork_point(two, 3, 2) == 4 and fork_point(two, 3, 3) is None
+    assert fork_point(msgs[:3] + [{"role": "user", "content": "u"}], 3, 1) is None
+
+
 def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tmp_path):
+    """The fork is the state right after the K-th tool response, before the reply: the server's decision is `run_aux`
+    on a session that replayed exactly the messages up to that tool response (plus the trigger), not the reply."""
     app = make_app(engine, tmp_path / "a")
     c = TestClient(app)
     store = app.state.store
     sid = c.post("/v1/sessions", json={}).json()["id"]
-    acks = [turn(c, sid, TURNS[0]), turn(c, sid, TURNS[1])]
-    assert acks[1]["aux"] is None and store.worker.wait_idle(60)
+    acks = [turn(c, sid, body) for body in TURNS[:3]]  # tool responses 3, 5: the 2nd is a boundary (every=2)
+    assert all(a["aux"] is None for a in acks) and store.worker.wait_idle(60)
     rec = live(app, sid)
-    # the engine-level decision on the same state, by hand: what the server decided
-    assert open_cursors(rec.messages, rec.dropped) == [3]
-    by_hand = run_aux(rec.session, engine.tokenizer, rec.messages, [3], max_tokens=16, use_adapter=False)
-    assert by_hand.del_cursors == [3] and rec.aux_pending["del_cursors"] == by_hand.del_cursors
-    assert rec.aux_pending["text"] == by_hand.text and rec.aux_pending["fork_turn"] == 2
+    pending = dict(rec.aux_pending)
+    assert (pending["fork_turn"], pending["boundary"], pending["open_cursors"]) == (2, 6, [3, 5])
+    # by hand: T0, tool 3 (+ its reply), tool 5 with no reply, then the trigger
+    hand, hand_msgs, opened, want = by_hand(engine, tmp_path / "h1", acks, TURNS[:2] + [no_reply(TURNS[2])])
+    assert hand_msgs == rec.messages[:6] and opened == [3, 5]
+    assert pending["fork_key"] == hand.history_key() != acks[2]["history_key"]  # the reply is not in the fork
+    assert rec.session.history[: len(hand.history)] == hand.history  # the main state is that state + the reply
+    assert pending["text"] == want.text and pending["del_cursors"] == want.del_cursors == [3, 5]
+    assert 0 <= pending["fork_s"] < 1
     assert c.get(f"/v1/sessions/{sid}").json()["aux_pending"] is True
-    key_before = rec.session.history_key()
-    assert acks[1]["history_key"] == key_before  # deciding never touched the main session
+    assert acks[2]["history_key"] == rec.session.history_key()  # deciding never touched the main session
 
-    for body in TURNS[2:]:
+    for body in TURNS[3:]:
         acks.append(turn(c, sid, body))
         store.worker.wait_idle(60)
-    assert acks[2]["aux"]["dropped"] == [3] and acks[4]["aux"]["dropped"] == [5, 7]
-    assert [a["aux"] is not None for a in acks] == [False, False, True, False, True, False]
+    assert [a["aux"] is not None for a in acks] == [False, False, False, True, False, True]
+    assert acks[3]["aux"]["dropped"] == [3, 5] and acks[5]["aux"]["dropped"] == [7, 9]
+    second = acks[5]["aux"]  # forked in turn 4 right after tool 9, with 3 and 5 already dropped
+    assert (second["fork_turn"], second["boundary"], second["open_cursors"]) == (4, 10, [7, 9])
+    hand, _, _, want = by_hand(engine, tmp_path / "h2", acks[:5], TURNS[:4] + [no_reply(TURNS[4])])
+    assert second["fork_key"] == hand.history_key() and second["text"] == want.text
     state = c.get(f"/v1/sessions/{sid}").json()
-    assert state["dropped_messages"] == state["aux_dropped_messages"] == [3, 5, 7]
-    assert app.state.metrics.aux_deleted._value.get() == 3 and app.state.metrics.aux_decisions._value.get() >= 2
+    assert state["dropped_messages"] == state["aux_dropped_messages"] == [3, 5, 7, 9]
+    assert app.state.metrics.aux_deleted._value.get() == 4 and app.state.metrics.aux_decisions._value.get() == 2
     # the log: the aux drop is the first op of the turn that applied it, and covers exactly the whole messages
     records = [json.loads(line) for line in (tmp_path / "a" / "sessions" / f"{sid}.jsonl").read_text().splitlines()]
     ranges = _message_ranges(records)
@@ -129,6 +180,33 @@ def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tm
     assert r.status_code == 400
 
 
+def test_fork_mid_turn_right_after_the_tool_message(engine, tmp_path):
+    """Turns whose new messages do not end with the boundary's tool response: the fork is taken right after it
+    (and after the cache ops that belong right after it), before the following messages and the reply."""
+    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=1, max_tokens=16, use_adapter=False))
+    c = TestClient(app)
+    store = app.state.store
+    sid = c.post("/v1/sessions", json={}).json()["id"]
+    tool_then_user = {"messages": [{"role": "tool", "content": "[cursor 3] " + "r " * 8},
+                                   {"role": "user", "content": "Think first."}], "max_tokens": 3}
+    # messages 0 system, 1 user, 2 reply, 3 tool, 4 user, 5 reply, then 6 tool, 7 tool (+ client drop of 6), 8 reply
+    two_tools = {"messages": [{"role": "tool", "content": "[cursor 6] " + "s " * 8},
+                              {"role": "tool", "content": "[cursor 7] " + "t " * 8}],
+                 "cache": {"drop": {"6": [6]}}, "max_tokens": 3}
+    acks = [turn(c, sid, T0), turn(c, sid, tool_then_user)]
+    assert store.worker.wait_idle(60)
+    first = dict(live(app, sid).aux_pending)
+    assert (first["fork_turn"], first["boundary"], first["open_cursors"]) == (1, 4, [3])
+    hand, _, _, want = by_hand(engine, tmp_path / "h1", acks, [T0, no_reply(tool_then_user, keep=1)])
+    assert first["fork_key"] == hand.history_key() and first["text"] == want.text
+    acks.append(turn(c, sid, two_tools))
+    assert acks[2]["aux"]["dropped"] == [3] and store.worker.wait_idle(60)
+    second = live(app, sid).aux_pending  # one fork, after the later tool; the client's drop of 6 came before it
+    assert (second["fork_turn"], second["boundary"], second["open_cursors"]) == (2, 8, [7])
+    hand, _, _, want = by_hand(engine, tmp_path / "h2", acks, [T0, tool_then_user, no_reply(two_tools)])
+    assert second["fork_key"] == hand.history_key() and second["text"] == want.text and want.del_cursors == [7]
+
+
 def _message_ranges(records: list[dict]) -> list[tuple[int, int]]:
     from kvsteward.serve.store import message_ranges_of
 
@@ -142,7 +220,7 @@ def test_aux_runs_in_idle_time_and_yields_to_a_main_request(engine, tmp_path):
     store = app.state.store
     sid_a, sid_b = (c.post("/v1/sessions", json={}).json()["id"] for _ in range(2))
     turn(c, sid_b, TURNS[0])
-    turn(c, sid_a, TURNS[0])
+    acks = [turn(c, sid_a, body) for body in TURNS[:2]]
     store.worker.wait_idle(60)
     sched.events = []
     window: dict[str, float] = {}
@@ -153,13 +231,13 @@ def test_aux_runs_in_idle_time_and_yields_to_a_main_request(engine, tmp_path):
         main_reply.update(store.run_turn(sid_b, tool_turn(3, max_tokens=8)))
 
     def hook(sid, step):
-        if step == 1 and "start" not in window:  # the aux has forked and prefilled the trigger: it is mid-run
+        if step == 1 and "start" not in window:  # the aux has prefilled the trigger on its fork: it is mid-run
             threading.Thread(target=main_request).start()
             while sched.main_active == 0:
                 time.sleep(0.001)
 
     store.worker.step_hook = hook
-    turn(c, sid_a, TURNS[1])  # the aux is submitted when this answer is ready
+    acks.append(turn(c, sid_a, TURNS[2]))  # forked after tool 5; the aux is submitted when this answer is ready
     assert store.worker.wait_idle(60)
     while not main_reply:
         time.sleep(0.01)
@@ -171,13 +249,13 @@ def test_aux_runs_in_idle_time_and_yields_to_a_main_request(engine, tmp_path):
     assert len(main_ev) >= 9  # the tool append, the generation prompt and 8 decode steps...
     before = [a for a, _ in aux_ev if a < start]
     after = [a for a, _ in aux_ev if a >= main_end]
-    assert len(before) == 2  # fork + trigger prefill ran before the main request arrived
+    assert len(before) == 1  # the trigger prefill ran before the main request arrived (the fork, in the turn)
     assert after and len(before) + len(after) == len(aux_ev)  # nothing in between: it yielded, then resumed
     assert app.state.metrics.aux_preemptions._value.get() >= 1
     # the interrupted decision is the undisturbed one, and the main request's answer is that of an aux-less server
     rec = live(app, sid_a)
-    want = run_aux(rec.session, engine.tokenizer, rec.messages, [3], max_tokens=16, use_adapter=False)
-    assert rec.aux_pending["del_cursors"] == want.del_cursors == [3]
+    _, _, _, want = by_hand(engine, tmp_path / "h", acks, TURNS[:2] + [no_reply(TURNS[2])])
+    assert rec.aux_pending["text"] == want.text and rec.aux_pending["del_cursors"] == want.del_cursors == [3, 5]
     plain = TestClient(make_app(engine, tmp_path / "b", aux=None))
     sid = plain.post("/v1/sessions", json={}).json()["id"]
     turn(plain, sid, TURNS[0])
@@ -201,6 +279,11 @@ def test_racing_turns_never_see_half_an_aux_drop(engine, tmp_path):
     app.state.store.worker.wait_idle(60)
     applied = [a["aux"]["dropped"] for a in acks if a["aux"]]
     assert any(applied), "no aux decision was applied: the race tested nothing"
+    for a in acks:  # every fork was taken right after a tool response, before that turn's reply
+        if a["aux"]:
+            turn_ack = acks[a["aux"]["fork_turn"]]
+            assert a["aux"]["boundary"] == turn_ack["n_messages"] - 1
+            assert a["aux"]["fork_key"] != turn_ack["history_key"]
     twin, tsid, tacks = twin_turns(engine, tmp_path / "b", acks, turns)
     assert [a["history_key"] for a in acks] == [a["history_key"] for a in tacks]
     assert torch.equal(live(app, sid).session.last_logits, live(twin, tsid).session.last_logits)
@@ -232,6 +315,7 @@ def test_bench_aux_plumbing(engine):
     assert out["turns"] == 4 and out["identical_sessions"] is True and out["aux_errors"] == 0
     assert out["aux_decisions"] >= 2 and out["aux_deleted_cursors"] >= 1  # this model deletes every open cursor
     assert out["main_latency_ratio_on_over_off"] > 0
+    assert out["aux_forks"] >= out["aux_decisions"] and 0 < out["aux_fork_max_s"] < 1  # forks: in main turns
 
 
 def test_adapter_is_on_only_in_aux_forwards(tmp_path):
@@ -254,14 +338,16 @@ def test_adapter_is_on_only_in_aux_forwards(tmp_path):
             if "lora_B" in name:
                 p.mul_(30)
     peft = Engine(model, tok)
-    app = make_app(peft, tmp_path / "peft", aux=AuxConfig(every=3, max_tokens=16, use_adapter=True))
+    app = make_app(peft, tmp_path / "peft", aux=AuxConfig(every=2, max_tokens=16, use_adapter=True))
     c = TestClient(app)
     sid = c.post("/v1/sessions", json={}).json()["id"]
     got = [turn(c, sid, body) for body in TURNS[:3]]
     assert app.state.store.worker.wait_idle(60)
     rec = live(app, sid)
-    with_adapter = run_aux(rec.session, tok, rec.messages, [3, 5], max_tokens=16, use_adapter=True)
-    without = run_aux(rec.session, tok, rec.messages, [3, 5], max_tokens=16, use_adapter=False)
+    hand_turns = TURNS[:2] + [no_reply(TURNS[2])]
+    hand, msgs, opened, with_adapter = by_hand(peft, tmp_path / "h", got, hand_turns, use_adapter=True)
+    without = run_aux(hand, tok, msgs, opened, max_tokens=16, use_adapter=False)
+    assert opened == [3, 5] and rec.aux_pending["fork_key"] == hand.history_key()
     assert rec.aux_pending["text"] == with_adapter.text != without.text
     for a, b in zip(got, want, strict=True):  # the main thread never ran the adapter
         assert a["reply"] == b["reply"] and a["history_key"] == b["history_key"]
