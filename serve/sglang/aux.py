@@ -1,0 +1,69 @@
+"""The SideQuest auxiliary thread on SGLang: a prefix fork of the main thread, and its decision as a drop.
+
+The fork is a plain request whose history is the main thread's (prompt and reply, as the main's last request sent
+and produced them) plus the trigger message: it matches the main's cached state in the tree (same op path, no copy;
+the tree's lock references keep the shared nodes alive) and appends the trigger in its own new slots, which never
+enter the main's path. Its `{"del_cursors": [...]}` reply becomes a drop (plus the reposition SGLang needs, see
+`kvsteward.serve.sglang.ops`) in the cache ops of the main thread's *next* request, right after the current turn.
+The same fork works as a session branch (`session_params={"id": S, "rid": main_rid}`) when the client uses SGLang
+sessions; either way it must carry the same op history, which is what `fork_request` builds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from kvsteward.serve.ops import OpsError
+from kvsteward.serve.sglang.ops import request_fields
+
+_DEL = re.compile(r'\{\s*"del_cursors"\s*:\s*\[([0-9,\s]*)\]\s*\}')
+
+
+def fork_request(messages: list[list[int]], cache: dict | None, trigger: list[int], via: str = "custom_params",
+                 max_new_tokens: int = 64) -> dict:
+    """`/generate` body for the aux thread: the main history (message token ids, the main reply included as its
+    last message) plus the trigger (the trigger message and the assistant opener, as token ids)."""
+    body = request_fields([*messages, list(trigger)], cache, via=via)
+    body.setdefault("sampling_params", {}).update({"max_new_tokens": max_new_tokens, "temperature": 0.0})
+    return body
+
+
+def parse_del_cursors(text: str, open_cursors: list[int]) -> list[int]:
+    """Cursor ids of a `{"del_cursors": [...]}` reply, keeping only open ones (once each, in order)."""
+    m = _DEL.search(text)
+    if m is None:
+        raise OpsError(f"aux reply is not {{\"del_cursors\": [...]}}: {text[:80]!r}", "del_cursors")
+    ids = [int(x) for x in re.findall(r"\d+", m.group(1))]
+    allowed, seen, out = set(open_cursors), set(), []
+    for i in ids:
+        if i in allowed and i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out
+
+
+def apply_del_cursors(cache: dict | None, boundary: int, cursors: list[int]) -> dict:
+    """The main thread's cache ops with the aux decision added: drop the cursors' messages (a cursor id is the tool
+    message's index) right after message `boundary` (the main's last message of the current turn), and reposition
+    there so the next append is placed exactly (SGLang computes token i at position i)."""
+    cache = json.loads(json.dumps(cache or {}))  # a copy: the caller's ops stay as they were
+    if not cursors:
+        return cache
+    drop = cache.setdefault("drop", {})
+    key = str(boundary)
+    drop[key] = sorted(set(drop.get(key, [])) | set(cursors))
+    rep = cache.setdefault("reposition", [])
+    if boundary not in rep:
+        rep.append(boundary)
+    return cache
+
+
+def next_main_request(messages: list[list[int]], cache: dict | None, aux_reply: str, open_cursors: list[int],
+                      new_messages: list[list[int]], via: str = "custom_params") -> dict[str, Any]:
+    """`/generate` body of the main thread's next turn: the aux decision applied after the current turn's last
+    message, then the new messages (the last one ending with the generation prompt)."""
+    cursors = parse_del_cursors(aux_reply, open_cursors)
+    ops = apply_del_cursors(cache, len(messages) - 1, cursors)
+    return request_fields([*messages, *new_messages], ops, via=via)

@@ -1,0 +1,315 @@
+"""`OpRadixCache`: SGLang's `RadixCache` with drop and reposition nodes between token nodes (AKV's op-history tree).
+
+A path from the root reads tokens and ops in history order: token nodes as in `RadixCache`, and an op node (a child
+keyed `("kvsteward-op", *op)`) wherever the history applies an op after the tokens above it. Two requests share
+nodes exactly as far as their histories agree, so they share state only up to the first differing token or op, and
+a drop in one never touches what another matched. Every op node stores the whole KV row of the state after it
+(`kv_row`, with the `positions` and logical indices of its entries); token nodes below it hold only their own slots.
+
+- drop node: owns no slots; its row is the parent state's row minus the dropped tokens (slots shared with the
+  ancestors, which its existence keeps from eviction: a node with a child is never an evictable leaf).
+- reposition node: a **position version** — owns new slots with K re-rotated to 0..r-1 and V copied; the original
+  slots stay, unchanged, for every request that reads the pre-op state.
+
+An op node is created (materialized) the first time a request's history reaches it — its parent state must be in
+the tree, i.e. ops act at turn boundaries of earlier requests, which is how an agent loop (and the SideQuest drop
+after the main thread's turn) sends them. A request whose pre-op state is not cached cannot be served exactly in
+one SGLang prefill; it is served as plain tokens (its physical ids re-prefilled, cached as plain tokens, never under
+the op path) and counted in `stats["reprefill"]`. Requests without ops behave exactly as in `RadixCache`.
+
+Limits: page_size 1, no EAGLE bigram keys, no hierarchical cache, MHA pools in NHD layout, unquantized KV.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from kvsteward.kernels.rope import RopeSpec
+from kvsteward.serve.ops import OpsError
+from kvsteward.serve.sglang.ops import SglangRequest, parse_request
+from kvsteward.serve.sglang.pool import check_pool, position_version
+
+logger = logging.getLogger(__name__)
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class OpNode(TreeNode):
+    """A drop or reposition in the tree. `key` has one (dummy) entry per owned slot, so `RadixCache`'s lock and
+    eviction accounting, which counts `len(node.key)`, counts exactly the slots this node frees."""
+
+    def __init__(self, op: tuple, kv_row: torch.Tensor, positions: torch.Tensor, logical: torch.Tensor,
+                 owned: torch.Tensor):
+        super().__init__()
+        self.op = op
+        self.op_key = ("kvsteward-op", *op)
+        self.kv_row, self.positions, self.logical = kv_row, positions, logical
+        self.value = owned
+        self.key = RadixKey(array("q", [-1] * owned.numel()), extra_key="kvsteward-op")
+
+
+@dataclass
+class _Walk:
+    """Where a request's history reached in the tree: the deepest op node (anchor) and the row so far."""
+
+    anchor: TreeNode
+    node: TreeNode
+    namespace: str | None
+    row: list[torch.Tensor] = field(default_factory=list)
+    exact: bool = True
+
+    @property
+    def anchor_len(self) -> int:
+        return self.anchor.kv_row.numel() if isinstance(self.anchor, OpNode) else 0
+
+
+class OpRadixCache(RadixCache):
+    def __init__(self, params: CacheInitParams, rope: RopeSpec | None = None):
+        if params.page_size != 1:
+            raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
+        if params.is_eagle:
+            raise ValueError("kvsteward's tree cache does not support EAGLE bigram keys")
+        super().__init__(params)
+        self.rope = rope
+        self.pool = self.token_to_kv_pool_allocator.get_kvcache() if self.token_to_kv_pool_allocator else None
+        if self.pool is not None and rope is not None:
+            check_pool(self.pool)
+        self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0}
+        self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is cached
+
+    # -- request -> history ------------------------------------------------------------------------------------------
+    def _history(self, params: MatchPrefixParams) -> SglangRequest | None:
+        req = params.req
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) if req is not None else None
+        try:
+            return parse_request(custom, params.key.extra_key)
+        except OpsError as e:  # a malformed history: serve the tokens as sent, never under an op path
+            self.stats["refused"] += 1
+            logger.warning("kvsteward: op history refused, serving as plain tokens: %s", e)
+            return None
+
+    # -- match -------------------------------------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        if params.req is not None:  # a re-match (e.g. after retraction) replaces the request's earlier walk
+            self._walks.pop(id(params.req), None)
+        hist = self._history(params)
+        if self.disable or hist is None:
+            return super().match_prefix(params)
+        tokens = params.key.token_ids
+        phys = hist.physical_ids
+        if tuple(tokens[: len(phys)]) != phys:
+            self.stats["refused"] += 1
+            logger.warning("kvsteward: input_ids are not the history's physical tokens; serving as plain tokens")
+            return super().match_prefix(params)
+        walk = self.walk(hist, params.key, limit=len(params.key))
+        if not walk.exact:
+            self.stats["reprefill"] += 1
+            return super().match_prefix(params)
+        if params.req is not None:
+            self._walks[id(params.req)] = walk
+        row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
+        return MatchResult(device_indices=row, last_device_node=walk.node, last_host_node=walk.node,
+                           best_match_node=walk.node)
+
+    def walk(self, hist: SglangRequest, key: RadixKey, limit: int) -> _Walk:
+        """Follow `hist` from the root, creating op nodes whose parent state is fully cached. The last token segment
+        is taken from `key` (it may run past the history: output ids of a retracted request). The row is cut to
+        `limit` entries (SGLang recomputes at least the last token)."""
+        walk = _Walk(anchor=self.root_node, node=self.root_node, namespace=hist.namespace)
+        tokens = key.token_ids
+        tail_start = len(hist.physical_ids) - len(hist.elements[-1][1])
+        n_logical = 0
+        for k, e in enumerate(hist.elements):
+            if e[0] == "tokens":
+                if k == len(hist.elements) - 1:  # physical: the row SGLang gets is capped at `limit`
+                    seg = tokens[tail_start:][: max(limit - sum(r.numel() for r in walk.row), 0)]
+                else:  # logical tokens before an op: the whole segment must be cached for the op to apply
+                    seg = array("q", e[1])
+                seg_key = RadixKey(seg, hist.namespace, cache_salt=key.cache_salt)
+                values, walk.node = self._match_prefix_helper(walk.node, seg_key) if len(seg_key) else ([], walk.node)
+                matched = sum(v.numel() for v in values)
+                walk.row.extend(v.to(torch.int64) for v in values)
+                n_logical += matched
+                if matched < len(e[1]) and k < len(hist.elements) - 1:
+                    walk.exact = False  # an op follows state that is not cached
+                    return walk
+            else:
+                child = walk.node.children.get(("kvsteward-op", *e))
+                if child is None:
+                    child = self._materialize(walk, e, n_logical)
+                    if child is None:
+                        walk.exact = False
+                        return walk
+                walk.node = walk.anchor = child
+                walk.row = [child.kv_row]
+                if child.kv_row.numel() > limit:
+                    walk.exact = False
+                    return walk
+        return walk
+
+    # -- ops ---------------------------------------------------------------------------------------------------------
+    def _state(self, walk: _Walk, n_logical: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, positions, logical indices) of the state the walk reached: the anchor's row, then token slots at
+        positions (and logical indices) continuing the anchor's."""
+        anchor = walk.anchor
+        row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
+        if isinstance(anchor, OpNode):
+            base, pos0, log0 = anchor.kv_row.numel(), anchor.positions, anchor.logical
+            first_logical = n_logical - (row.numel() - base)
+        else:
+            base, pos0, log0, first_logical = 0, _EMPTY, _EMPTY, 0
+        extra = row.numel() - base
+        positions = torch.cat([pos0, base + torch.arange(extra, dtype=torch.int64)])
+        logical = torch.cat([log0, first_logical + torch.arange(extra, dtype=torch.int64)])
+        return row, positions, logical
+
+    def _materialize(self, walk: _Walk, op: tuple, n_logical: int) -> OpNode | None:
+        row, positions, logical = self._state(walk, n_logical)
+        if op[0] == "drop":
+            keep = ~torch.isin(logical, torch.tensor(op[1], dtype=torch.int64))
+            node = OpNode(op, row[keep.to(row.device)], positions[keep], logical[keep], _EMPTY.to(self.device))
+        elif op[0] == "reposition":
+            if self.rope is None or self.pool is None:
+                logger.warning("kvsteward: no RoPE spec / KV pool, cannot reposition")
+                return None
+            new = self._alloc_version(walk.node, row, positions)
+            if new is None:
+                return None
+            node = OpNode(op, new, torch.arange(row.numel(), dtype=torch.int64), logical, new)
+        else:
+            return None
+        self._attach(walk.node, node)
+        return node
+
+    def _alloc_version(self, parent: TreeNode, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """A position version of `row`, evicting unlocked leaves for room while the parent path is locked."""
+        new = position_version(self.pool, self.token_to_kv_pool_allocator, row, positions, self.rope)
+        if new is None:
+            self.inc_lock_ref(parent)
+            try:
+                self.evict(EvictParams(num_tokens=row.numel()))
+            finally:
+                self.dec_lock_ref(parent)
+            new = position_version(self.pool, self.token_to_kv_pool_allocator, row, positions, self.rope)
+        return new
+
+    def _attach(self, parent: TreeNode, node: OpNode) -> None:
+        node.parent = parent
+        parent.children[node.op_key] = node
+        self.evictable_size_ += len(node.key)
+        self.stats["op_nodes"] += 1
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+
+    def _delete_leaf(self, node):
+        if not isinstance(node, OpNode):
+            return super()._delete_leaf(node)
+        removed = node.parent.children.pop(node.op_key, None)
+        assert removed is node, f"parent does not hold op node {node.op_key}"
+        self.evictable_size_ -= len(node.key)
+        self.evictable_leaves.discard(node)
+        self.stats["op_nodes"] -= 1
+        self._update_leaf_status(node.parent)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """`RadixCache.evict`, except that op nodes emit no KV events (their keys are not token pages)."""
+        if self.disable:
+            return EvictResult()
+        start_time = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < params.num_tokens and heap:
+            _, x = heapq.heappop(heap)
+            self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
+            num_evicted += len(x.value)
+            self._delete_leaf(x)
+            if len(x.parent.children) == 0 and x.parent.lock_ref == 0 and x.parent is not self.root_node:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
+            if not isinstance(x, OpNode):
+                self.kv_events.record_remove(x)
+        self.update_eviction_metrics(num_evicted, start_time)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    # -- caching a request's KV ---------------------------------------------------------------------------------------
+    def _insert_tail(self, req: Any, walk: _Walk, token_ids: Any, kv_indices: torch.Tensor,
+                     chunked: bool = False) -> tuple[int, TreeNode]:
+        """Insert the request's tokens after its anchor (the last op) under that anchor: returns (end of the
+        part that was already cached, as a row index; last node)."""
+        off = walk.anchor_len
+        key = RadixKey(array("q", token_ids[off:]), walk.namespace, cache_salt=req.cache_salt)
+        values = kv_indices[off:].to(dtype=torch.int64, copy=True)
+        prefix_len, node = self._insert_helper(walk.anchor, key, values, getattr(req, "priority", 0) or 0, chunked)
+        return off + prefix_len, node
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
+        walk = self._walks.pop(id(req), None)
+        if walk is None or self.disable:
+            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+        if self.disable_finished_insert:
+            is_insert = False
+        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+        freed_end = self._insert_tail(req, walk, token_ids, kv_indices)[0] if is_insert else len(token_ids)
+        protected = req.kv.cache_protected_len
+        # the new slots of tokens the tree already held are duplicates; the tree owns everything else now
+        self.token_to_kv_pool_allocator.free_segment(kv_indices[protected:freed_end], start_pos=protected)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False):
+        walk = self._walks.get(id(req))
+        if walk is None or self.disable:
+            return super().cache_unfinished_req(req, chunked=chunked)
+        token_ids = req.get_fill_ids()
+        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+        new_end, new_last = self._insert_tail(req, walk, token_ids, kv_indices, chunked=chunked)
+        protected = req.kv.cache_protected_len
+        self.token_to_kv_pool_allocator.free_segment(kv_indices[protected:new_end], start_pos=protected)
+        # re-read the row from the tree: slots of tokens that were already cached are the tree's
+        node, parts = new_last, []
+        while node is not walk.anchor:
+            parts.append(node.value)
+            node = node.parent
+        tree_row = torch.cat([walk.anchor.kv_row if isinstance(walk.anchor, OpNode) else _EMPTY.to(self.device),
+                              *reversed(parts)])
+        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, tree_row.numel())),
+                                     tree_row[protected:].to(torch.int32))
+        req.kv.cache_protected_len = tree_row.numel()
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(new_last)
+        req.prefix_indices = torch.cat([tree_row, kv_indices[tree_row.numel():].to(torch.int64)])
+        req.last_node = new_last
+        walk.node = new_last
+
+
+def create_tree_cache(ctx: Any) -> OpRadixCache:
+    """`register_radix_cache_backend` factory: an `OpRadixCache` with the model's RoPE spec (float64)."""
+    if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
+        raise ValueError("--radix-cache-backend kvsteward supports plain MHA models without hierarchical cache "
+                         "(no SWA / Mamba / DSA hybrids, no --enable-hierarchical-cache)")
+    return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config))
+
+
+def model_rope_spec(model_config: Any) -> RopeSpec | None:
+    """The float64 RoPE spec of the served model, or None (then repositions fall back to re-prefill)."""
+    import os
+
+    from kvsteward.kernels.rope import UnsupportedRope, rope_spec
+
+    layout = os.environ.get("KVSTEWARD_ROPE_LAYOUT", "split_half")  # SGLang's neox style = HF rotate_half
+    try:
+        return rope_spec(model_config.hf_text_config if hasattr(model_config, "hf_text_config")
+                         else model_config.hf_config, layout=layout)
+    except (UnsupportedRope, AttributeError) as e:
+        logger.warning("kvsteward: no exact re-rotation for this model (%s): reposition ops will re-prefill", e)
+        return None

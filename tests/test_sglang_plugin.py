@@ -1,0 +1,398 @@
+"""The SGLang plugin against SGLang 0.5.19's own RadixCache, MHATokenToKVPool(device="cpu") and allocator.
+
+A stand-in "model" computes each token's KV exactly as SGLang stores it: K = RoPE(raw_k[token], position) with the
+position = the token's row index, V = raw_v[token]. So the KV row of any served state can be checked against the
+float64 truth: K = apply_rope(raw_k[physical ids], 0..n-1), V = raw_v[physical ids].
+
+sglang must be importable (CI installs requirements-sglang.txt): an ImportError here is a failure, not a skip.
+Only the full-server test (needs CUDA) skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvsteward.serve.sglang.compat import prepare_sglang
+
+prepare_sglang()
+
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+
+from kvsteward.kernels.rope import apply_rope, rope_spec  # noqa: E402
+from kvsteward.serve.ops import OpsError  # noqa: E402
+from kvsteward.serve.sglang import aux  # noqa: E402
+from kvsteward.serve.sglang.ops import parse_request, request_fields  # noqa: E402
+from kvsteward.serve.sglang.pool import drop_from_row, reposition_row  # noqa: E402
+from kvsteward.serve.sglang.tree import OpNode, OpRadixCache, create_tree_cache  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, VOCAB, SLOTS = 2, 2, 16, 64, 256
+CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                     num_key_value_heads=HEADS, num_hidden_layers=LAYERS, intermediate_size=32,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e4}, max_position_embeddings=512)
+SPEC = rope_spec(CONFIG)
+_g = torch.Generator().manual_seed(0)
+RAW_K = torch.randn(VOCAB, LAYERS, HEADS, HEAD_DIM, generator=_g, dtype=torch.float64)
+RAW_V = torch.randn(VOCAB, LAYERS, HEADS, HEAD_DIM, generator=_g, dtype=torch.float64)
+
+
+def true_k(ids, positions, layer: int) -> torch.Tensor:
+    """float64 K of pre-RoPE keys raw_k[ids] rotated at `positions`: [n, heads, head_dim]."""
+    raw = RAW_K[torch.tensor(list(ids))][:, layer].transpose(0, 1)
+    return apply_rope(raw, torch.as_tensor(positions, dtype=torch.int64), SPEC).transpose(0, 1)
+
+
+class Req:
+    """The fields of sglang's Req that the tree caches read."""
+
+    def __init__(self, ids, custom=None, extra_key=None):
+        self.origin_input_ids, self.output_ids = array("q", ids), array("q")
+        self.sampling_params = SimpleNamespace(custom_params=custom)
+        self.extra_key, self.cache_salt, self.priority = extra_key, None, 0
+        self.kv = SimpleNamespace(req_pool_idx=None, cache_protected_len=0, swa_evicted_seqlen=0)
+        self.last_node = None
+        self.prefix_indices = None
+
+    def get_fill_ids(self):
+        return self.origin_input_ids + self.output_ids
+
+
+class Server:
+    """SGLang's scheduler steps for one request, on real pools: match, lock, allocate, 'prefill', cache."""
+
+    def __init__(self, cache_cls=OpRadixCache, size: int = SLOTS):
+        self.pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=HEADS,
+                                     head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        self.alloc = TokenToKVPoolAllocator(size, torch.float32, "cpu", self.pool, need_sort=False)
+        self.rows = ReqToTokenPool(16, 128, "cpu", False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
+                                 page_size=1)
+        self.cache = cache_cls(params, rope=SPEC) if cache_cls is OpRadixCache else cache_cls(params)
+
+    def prefill(self, slots: torch.Tensor, ids, positions) -> None:
+        for layer in range(LAYERS):
+            self.pool.k_buffer[layer][slots] = true_k(ids, positions, layer).float()
+            self.pool.v_buffer[layer][slots] = RAW_V[torch.tensor(list(ids))][:, layer].float()
+
+    def run(self, req: Req, finish: bool = True):
+        ids = req.origin_input_ids
+        req.kv.req_pool_idx = self.rows.alloc_rows(1)[0]
+        m = self.cache.match_prefix(MatchPrefixParams(
+            key=RadixKey(ids, req.extra_key, limit=len(ids) - 1), req=req))
+        n = len(m.device_indices)
+        self.cache.inc_lock_ref(m.last_device_node)
+        req.last_node, req.kv.cache_protected_len = m.last_device_node, n
+        new = self.alloc.alloc(len(ids) - n)
+        row = self.rows.req_to_token[req.kv.req_pool_idx]
+        row[:n], row[n: len(ids)] = m.device_indices.to(torch.int32), new.to(torch.int32)
+        self.prefill(new, ids[n:], range(n, len(ids)))
+        out = SimpleNamespace(prefix_len=n, row=row[: len(ids)].long().clone(), node=m.last_device_node)
+        if finish:
+            self.finish(req)
+        return out
+
+    def finish(self, req: Req) -> None:
+        self.cache.cache_finished_req(req, kv_len_to_handle=len(req.origin_input_ids))
+        self.rows.free_rows([req.kv.req_pool_idx])
+
+    def kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[slots].clone(), v[slots].clone()) for k, v in zip(self.pool.k_buffer, self.pool.v_buffer,
+                                                                      strict=True)]
+
+    def assert_row_is_truth(self, row: torch.Tensor, physical) -> None:
+        """The row holds the KV of `physical` tokens at positions 0..n-1 (K within fp32 of float64, V exact)."""
+        for layer in range(LAYERS):
+            k = self.pool.k_buffer[layer][row].double()
+            torch.testing.assert_close(k, true_k(physical, range(len(physical)), layer), rtol=0, atol=2e-6)
+            v = self.pool.v_buffer[layer][row]
+            assert torch.equal(v, RAW_V[torch.tensor(list(physical))][:, layer].float())
+
+    def free_slots(self) -> int:
+        return self.alloc.available_size()
+
+
+def fields(messages, cache=None, via="custom_params"):
+    body = request_fields(messages, cache, via=via)
+    custom = body.get("sampling_params", {}).get("custom_params")
+    return body["input_ids"], custom, body.get("extra_key")
+
+
+A, B, C, D, E, TRIG = [1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14], [20, 21]
+
+
+# --------------------------------------------------------------------------------------------------- no ops
+@pytest.mark.parametrize("carrier", ["plain", "custom_params"])
+def test_without_ops_the_tree_matches_exactly_like_radixcache(carrier):
+    g = torch.Generator().manual_seed(1)
+    base, ours = Server(RadixCache), Server(OpRadixCache)
+    stems = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    for step in range(24):
+        stem = stems[step % 3]
+        ids = stem[: 1 + int(torch.randint(0, len(stem), (1,), generator=g))] + \
+            torch.randint(0, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        custom = {"kvsteward": {"messages": [ids]}} if carrier == "custom_params" else None
+        r0, r1 = base.run(Req(ids)), ours.run(Req(ids, custom))
+        assert r0.prefix_len == r1.prefix_len and torch.equal(r0.row, r1.row), step
+        assert base.cache.evictable_size() == ours.cache.evictable_size()
+        assert base.cache.total_size() == ours.cache.total_size()
+    for n in (7, 20, 1000):
+        assert base.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted == \
+            ours.cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+        assert base.free_slots() == ours.free_slots()
+    assert ours.free_slots() == SLOTS
+
+
+# ----------------------------------------------------------------------------------------- op histories
+def test_histories_share_up_to_the_first_differing_op_and_never_change_each_other():
+    s = Server()
+    ids, custom, _ = fields([A, B, C])
+    first = s.run(Req(ids, custom))
+    assert first.prefix_len == 0
+    snapshot = s.kv(first.row)  # the cached pre-op state every request below reads
+
+    hist_b = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})  # drop B
+    hist_c = fields([A, B, C, D], {"drop": {"2": [2]}, "reposition": [2]})  # drop C
+    plain = fields([A, B, C, E])  # no op: the original positions
+    rb, rc, rp = s.run(Req(*hist_b[:2])), s.run(Req(*hist_c[:2])), s.run(Req(*plain[:2]))
+
+    # each reused the cached A B C (through its own op node) and computed only its own new tokens
+    assert rb.prefix_len == len(A) + len(C) and rc.prefix_len == len(A) + len(B)
+    assert rp.prefix_len == len(A + B + C) and torch.equal(rp.row[:9], first.row)
+    assert isinstance(rb.node.parent, OpNode) and isinstance(rc.node.parent, OpNode)
+    assert rb.node.parent is not rc.node.parent  # different ops: different branches
+    # the drop+reposition of one request changed nothing another reads
+    for (k0, v0), (k1, v1) in zip(snapshot, s.kv(first.row), strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    # every row is exactly the physical tokens at 0..n-1 (reposition re-rotated into new slots)
+    s.assert_row_is_truth(rb.row, hist_b[0])
+    s.assert_row_is_truth(rc.row, hist_c[0])
+    s.assert_row_is_truth(rp.row, plain[0])
+    assert not set(rb.row.tolist()) & set(first.row.tolist())  # a position version: new slots
+    # parse identity: different op histories are different states
+    keys = {parse_request(c, None).history_key for c in (hist_b[1], hist_c[1], plain[1])}
+    assert len(keys) == 3
+
+    # the same history again reuses the op node and everything after it: no new slots for the reposition
+    free = s.free_slots()
+    again = s.run(Req(*hist_b[:2]))
+    assert again.prefix_len == len(hist_b[0]) - 1 and torch.equal(again.row[:-1], rb.row[:-1])
+    assert s.free_slots() == free and s.cache.stats["op_nodes"] == 4  # 2 drops + 2 repositions
+    # a request with another op path under the same tokens does not see B's branch
+    other = s.run(Req(*fields([A, B, C, D], {"drop": {"2": [0]}, "reposition": [2]})[:2]))
+    assert other.prefix_len == len(B) + len(C)
+
+
+def test_extra_key_carrier_is_the_same_state_as_custom_params():
+    s = Server()
+    s.run(Req(*fields([A, B, C])[:2]))
+    via_custom = s.run(Req(*fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})[:2]))
+    ids, _, extra = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]}, via="extra_key")
+    via_extra = s.run(Req(ids, None, extra))
+    assert via_extra.prefix_len == len(ids) - 1 and torch.equal(via_extra.row[:-1], via_custom.row[:-1])
+
+
+def test_reposition_rerotates_k_exactly_and_keeps_v_and_originals():
+    s = Server()
+    first = s.run(Req(*fields([A, B, C, D])[:2]))
+    before = s.kv(first.row)
+    # drop B and D after message 3, reposition: survivors A C move from positions 0-2, 7-8 to 0..4
+    ids, custom, _ = fields([A, B, C, D, E], {"drop": {"3": [1, 3]}, "reposition": [3]})
+    r = s.run(Req(ids, custom))
+    survivors = torch.tensor([0, 1, 2, 7, 8])
+    for layer, (k0, v0) in enumerate(before):
+        k_new = s.pool.k_buffer[layer][r.row[:5]].double()
+        torch.testing.assert_close(k_new, true_k(A + C, range(5), layer), rtol=0, atol=2e-6)
+        assert torch.equal(s.pool.v_buffer[layer][r.row[:5]], v0[survivors])  # V copied bit for bit
+        assert torch.equal(s.pool.k_buffer[layer][first.row], k0)  # originals untouched
+        assert torch.equal(s.pool.v_buffer[layer][first.row], v0)
+    s.assert_row_is_truth(r.row, A + C + E)
+
+
+def test_private_row_drop_and_in_place_reposition():
+    s = Server()
+    ids = A + B + C
+    slots = s.alloc.alloc(len(ids))
+    s.prefill(slots, ids, range(len(ids)))
+    s.rows.req_to_token[1, : len(ids)] = slots.to(torch.int32)
+    n, removed = drop_from_row(s.rows.req_to_token, 1, len(ids), torch.arange(3, 7))  # drop B
+    assert n == 5 and torch.equal(removed.long(), slots[3:7])
+    old_positions = torch.tensor([0, 1, 2, 7, 8])
+    reposition_row(s.pool, s.rows.req_to_token, 1, n, old_positions, SPEC)
+    s.assert_row_is_truth(s.rows.req_to_token[1, :n].long(), A + C)
+
+
+# ---------------------------------------------------------------------------------------------- eviction
+def test_eviction_frees_only_unlocked_leaves():
+    s = Server()
+    s.run(Req(*fields([A, B, C])[:2]))
+    ops = {"drop": {"2": [1]}, "reposition": [2]}
+    held = Req(*fields([A, B, C, D], ops)[:2])
+    r = s.run(held, finish=False)  # in flight: holds the path root -> A B C -> drop -> reposition
+    s.run(Req(*fields([A, B, C, E])[:2]))  # a finished sibling branch, unlocked
+    s.cache.evict(EvictParams(num_tokens=10_000))
+    # the in-flight request's prefix is intact: its op nodes and the ancestors their rows point into
+    repos = r.node
+    assert isinstance(repos, OpNode) and repos.op == ("reposition",) and repos.parent.op[0] == "drop"
+    assert s.cache.protected_size() == len(A + B + C) + len(A + C)
+    assert s.cache.evictable_size() == 0
+    s.assert_row_is_truth(r.row[: len(A + C)], A + C)
+    # after it finishes, everything can go, and every slot returns to the allocator exactly once
+    s.finish(held)
+    s.cache.evict(EvictParams(num_tokens=10_000))
+    assert s.free_slots() == SLOTS and s.cache.total_size() == 0 and s.cache.stats["op_nodes"] == 0
+    assert len(set(s.alloc.free_pages.tolist())) == SLOTS
+
+
+def test_chunked_request_caches_its_part_under_the_op_path_without_leaks():
+    s = Server()
+    s.run(Req(*fields([A, B, C])[:2]))
+    ids, custom, _ = fields([A, B, C, D, E], {"drop": {"2": [1]}, "reposition": [2]})
+    req = Req(ids, custom)
+    r = s.run(req, finish=False)
+    s.cache.cache_unfinished_req(req)  # a chunk boundary: what was computed so far enters the tree
+    assert torch.equal(req.prefix_indices, r.row) and req.kv.cache_protected_len == len(ids)
+    assert s.run(Req(ids, custom)).prefix_len == len(ids) - 1  # a twin already reuses the chunk
+    s.finish(req)
+    s.cache.evict(EvictParams(num_tokens=10_000))
+    assert s.free_slots() == SLOTS and len(set(s.alloc.free_pages.tolist())) == SLOTS
+
+
+def test_reposition_evicts_for_room_but_never_its_own_parent():
+    s = Server(size=20)
+    s.run(Req(*fields([A, B, C])[:2]))  # 9 slots
+    s.run(Req(*fields([[30, 31, 32, 33, 34, 35, 36, 37]])[:2]))  # 8 unrelated slots: 3 left
+    r = s.run(Req(*fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})[:2]))
+    assert r.prefix_len == len(A + C)  # the 5 new slots came from evicting the unrelated leaf
+    s.assert_row_is_truth(r.row, A + C + D)
+
+
+def test_uncached_pre_op_state_is_served_as_plain_tokens():
+    s, base = Server(), Server(RadixCache)
+    ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})  # A B C never cached
+    r, r0 = s.run(Req(ids, custom)), base.run(Req(ids))
+    assert s.cache.stats["reprefill"] == 1 and s.cache.stats["op_nodes"] == 0
+    assert r.prefix_len == r0.prefix_len == 0
+    # cached as plain tokens: a plain request for the same ids shares it, an op request does not see it
+    assert s.run(Req(ids)).prefix_len == len(ids) - 1
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def test_op_grammar_refusals_and_physical_ids():
+    ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
+    assert ids == A + C + D
+    hist = parse_request(custom, None)
+    assert hist.elements == (("tokens", tuple(A + B + C)), ("drop", (3, 4, 5, 6)), ("reposition",),
+                             ("tokens", tuple(D)))
+    with pytest.raises(OpsError, match="no reposition in between"):
+        fields([A, B, C, D], {"drop": {"2": [1]}})
+    with pytest.raises(OpsError, match="end with appended tokens"):
+        fields([A, B], {"reposition": [1]})
+    with pytest.raises(OpsError, match="not yet appended"):
+        fields([A, B, C], {"drop": {"0": [1]}, "reposition": [0]})
+    assert parse_request({"other": 1}, "tenant-1") is None
+
+
+def test_malformed_history_or_wrong_input_ids_fall_back_to_plain_tokens():
+    s = Server()
+    r = s.run(Req(A + B, {"kvsteward": {"messages": [A, B], "cache": {"drop": {"9": [0]}}}}))
+    _, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
+    r2 = s.run(Req(A + B + C + D, custom))  # input_ids are the logical, not the physical, tokens
+    assert s.cache.stats["refused"] == 2 and r.prefix_len == 0 and r2.prefix_len == len(A + B)
+    assert s.cache.stats["op_nodes"] == 0
+
+
+# ----------------------------------------------------------------------------------------------- aux fork
+def test_aux_fork_reads_the_main_state_and_its_decision_is_the_next_drop():
+    s = Server()
+    main_msgs = [A, B, C]  # B: a tool response, cursor 1
+    main = s.run(Req(*fields(main_msgs)[:2]))
+    body = aux.fork_request(main_msgs, None, TRIG)
+    fork = s.run(Req(body["input_ids"], body["sampling_params"]["custom_params"]))
+    assert fork.prefix_len == len(A + B + C) and torch.equal(fork.row[:9], main.row)  # prefix fork, no copy
+    reply = '{"del_cursors": [1, 7]}'  # 7 is not an open cursor: ignored
+    assert aux.parse_del_cursors(reply, [1]) == [1]
+    nxt = aux.next_main_request(main_msgs, None, reply, [1], [D])
+    assert nxt["sampling_params"]["custom_params"]["kvsteward"]["cache"] == {"drop": {"2": [1]}, "reposition": [2]}
+    r = s.run(Req(nxt["input_ids"], nxt["sampling_params"]["custom_params"]))
+    assert r.prefix_len == len(A + C)  # the main state (not the fork's trigger) with B dropped
+    s.assert_row_is_truth(r.row, A + C + D)
+    assert not set(r.row.tolist()) & set(fork.row[9:].tolist())  # aux tokens never enter the main context
+
+
+# ------------------------------------------------------------------------------------------- plugin wiring
+def test_plugin_registers_the_backend_and_its_factory_builds_the_tree():
+    from importlib.metadata import entry_points
+
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    from kvsteward.serve.sglang.plugin import register
+
+    (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "kvsteward"]
+    assert ep.load() is register
+    register()
+    register()  # idempotent: SGLang loads plugins in several processes and may call it again
+    factory = get_radix_cache_factory("kvsteward")
+    assert factory is create_tree_cache
+    s = Server(RadixCache)
+    ctx = SimpleNamespace(params=CacheInitParams(
+        disable=False, req_to_token_pool=s.rows, token_to_kv_pool_allocator=s.alloc, page_size=1),
+        enable_hierarchical_cache=False, is_hybrid_swa=False, is_hybrid_ssm=False, is_dsa=False,
+        model_config=SimpleNamespace(hf_config=CONFIG))
+    tree = factory(ctx)
+    assert isinstance(tree, OpRadixCache) and torch.equal(tree.rope.inv_freq, SPEC.inv_freq)
+    with pytest.raises(ValueError, match="hierarchical"):
+        factory(SimpleNamespace(**{**vars(ctx), "enable_hierarchical_cache": True}))
+
+
+# ---------------------------------------------------------------------------------------------- full server
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the SGLang server needs a CUDA device")
+def test_full_server_with_kvsteward_backend(tmp_path):
+    pytest.importorskip("sgl_kernel")
+    requests = pytest.importorskip("requests")
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(CONFIG).save_pretrained(tmp_path)
+    port = 30123
+    server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path),
+                               "--skip-tokenizer-init", "--radix-cache-backend", "kvsteward", "--port", str(port),
+                               "--mem-fraction-static", "0.2", "--disable-cuda-graph"],
+                              env={**os.environ, "SGLANG_PLUGINS": "kvsteward"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if requests.get(f"{url}/health", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                time.sleep(1)
+        else:
+            pytest.fail("sglang server did not come up")
+
+        def generate(messages, cache=None):
+            body = request_fields(messages, cache)
+            body["sampling_params"].update({"max_new_tokens": 4, "temperature": 0.0})
+            r = requests.post(f"{url}/generate", json=body, timeout=60)
+            r.raise_for_status()
+            return r.json()
+
+        generate([A, B, C])
+        out = generate([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
+        assert out["meta_info"]["cached_tokens"] == len(A + C)  # the re-rotated survivors were reused
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
