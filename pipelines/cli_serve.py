@@ -34,6 +34,10 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                                    "(default 4 with --adapter or --aux-base; off otherwise)"),
           aux_base: bool = typer.Option(False, help="run the aux thread with the base model (no adapter; testing)"),
           aux_max_tokens: int = typer.Option(48, help="decode budget of one aux decision"),
+          aux_plan: bool = typer.Option(False, help="the aux thread also runs `Planning mode` at each fork; its plan "
+                                                    "becomes the session's blueprint (foresight arms: pace, "
+                                                    "retention-only, foresight)"),
+          aux_plan_max_tokens: int = typer.Option(128, help="decode budget of one aux plan"),
           tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
@@ -54,10 +58,12 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
     if aux_every is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-every needs a manager: --adapter DIR (or --aux-base for the base model)")
+    if aux_plan and adapter is None and not aux_base:
+        raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
     if adapter is not None or aux_base:
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
-                        use_adapter=adapter is not None)
+                        use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens)
         try:
             aux.validate()
         except ValueError as e:
@@ -73,7 +79,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                           data_dir=data_dir, aux=aux, tiers=tiers, host_tier_bytes=host_tier_bytes,
                           disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url)
     console.log(f"serving {model} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
-                f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'})")
+                f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'}"
+                f"{' + planner' if aux is not None and aux.plan else ''})")
     uvicorn.run(create_app(engine, config), host=host, port=port, log_level=log_level)
 
 

@@ -14,6 +14,13 @@ boundary's tool message was appended and before the reply is generated (`fork_po
 one background thread that runs `aux_steps` — the same decode as `run_aux`, cut into steps of at most one forward —
 under `Scheduler`, the model lock with priorities (main requests first; the aux takes the lock only while no request
 is in progress, per step), so a request arriving mid-decode waits for at most one aux forward.
+
+The learned planner (`AuxConfig.plan`, `steward serve --aux-plan`): after the deletion decode, the worker runs
+`Planning mode` (`synth.hindsight.PLAN_TRIGGER`) on its own copy of the same boundary state and decodes
+`{"plan": [{"cursor": c, "readers": [step, ...]}, ...]}` under `PlanGrammar` (open cursors ascending, readers strictly
+ascending future steps: always well-formed JSON in `json.dumps` form; only a token budget running out leaves it
+unfinished, which is a parse failure). `parse_plan` validates strictly; an invalid plan is never applied in part. The
+store turns a valid plan into the session's blueprint (`plan_blueprint`) at the next turn.
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from functools import lru_cache
 
 import torch
 
+from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.session import Session
 from kvsteward.synth.chat import generation_prompt, message_texts
+from kvsteward.synth.hindsight import PLAN_TRIGGER
 
 TRIGGER = "Memory management mode"
 PREFIX = '{"del_cursors": ['
@@ -79,12 +88,14 @@ def _end(rest: str) -> tuple[bool, bool]:
     return ("]}".startswith(rest) or rest == "]}"), rest == "]}"
 
 
-@lru_cache(maxsize=4)
-def _candidates(tokenizer) -> tuple[list[int], list[str]]:
+@lru_cache(maxsize=8)
+def _candidates(tokenizer, alphabet: str = "".join(sorted(_ALPHABET))) -> tuple[list[int], list[str]]:
+    """Vocabulary tokens whose text is made only of `alphabet` (default: the deletion list's characters)."""
+    allowed = set(alphabet)
     ids, texts = [], []
     for tid in range(len(tokenizer)):
         text = tokenizer.decode([tid])
-        if text and set(text) <= _ALPHABET:
+        if text and set(text) <= allowed:
             ids.append(tid)
             texts.append(text)
     return ids, texts
@@ -96,6 +107,7 @@ class AuxDecision:
     text: str
     tokens: int
     truncated: bool = False  # the token budget ran out before the list closed; completed ids are kept
+    plan: PlanDecision | None = None  # `--aux-plan`: the same boundary's `Planning mode` decision
 
 
 def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64) -> AuxDecision:
@@ -194,6 +206,219 @@ def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[i
     return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens))
 
 
+# -- the planner (`Planning mode`): a blueprint for the foresight policy ----------------------------------------------
+PLAN_PREFIX = '{"plan": ['
+PLAN_HORIZON = 4096  # readers are steps in [boundary, boundary + PLAN_HORIZON): a bound that ends every number
+_PLAN_ALPHABET = "0123456789, ]}{[\":cursoread"
+_ENTRY = '{"cursor": '
+_READERS = ', "readers": ['
+
+
+class PlanError(ValueError):
+    """An aux plan that is not a valid plan for its boundary (counted as a parse failure, never applied)."""
+
+
+def _has_prefix_in(digits: str, lo: int, hi: int) -> bool:
+    """Some integer n in [lo, hi] is written (decimal, no leading zero) with `digits` as a prefix."""
+    if lo > hi or not digits:
+        return lo <= hi
+    if digits[0] == "0":
+        return digits == "0" and lo <= 0 <= hi
+    base = int(digits)
+    for k in range(len(str(hi)) - len(digits) + 1):
+        a, b = base * 10**k, base * 10**k + 10**k - 1
+        if a <= hi and b >= lo:
+            return True
+    return False
+
+
+class PlanGrammar:
+    """The plan tail after the forced `{"plan": [`, exactly as `json.dumps` writes `synth.hindsight.plan_target`:
+
+        "]}"  |  ENTRY (", " ENTRY)* "]}"        ENTRY = '{"cursor": ' C ', "readers": [' R (", " R)* "]}"
+
+    C: open cursor ids in ascending order (so none twice); R: steps in [boundary, boundary + PLAN_HORIZON), strictly
+    ascending within an entry. A character-level automaton: a state is a tuple, `feed` advances it over a string
+    (None: not a prefix of the language), `done` says whether the tail is complete. Every reachable state has a
+    completion (a separator is admitted only if something can follow it), so greedy decoding never gets stuck.
+    """
+
+    def __init__(self, open_ids: list[int], boundary: int):
+        self.open = sorted(set(open_ids))
+        self.lo, self.hi = boundary, boundary + PLAN_HORIZON - 1
+
+    # states: ("lit", text, pos, next) | ("start",) | ("cid", digits, last_c) | ("rid", digits, last_c, last_r)
+    #         | ("entry_end", last_c) | ("done",)
+    def start(self) -> tuple:
+        return ("start",)
+
+    def _cursor_ok(self, digits: str, last_c: int) -> bool:
+        return any(str(c).startswith(digits) for c in self.open if c > last_c)
+
+    def _more_cursors(self, last_c: int) -> bool:
+        return any(c > last_c for c in self.open)
+
+    def _step(self, st: tuple, ch: str) -> tuple | None:
+        kind = st[0]
+        if kind == "lit":
+            _, text, pos, nxt = st
+            if ch != text[pos]:
+                return None
+            return nxt if pos + 1 == len(text) else ("lit", text, pos + 1, nxt)
+        if kind == "start":
+            if ch == "]":
+                return ("lit", "]}", 1, ("done",))
+            if ch == "{" and self.open:
+                return ("lit", _ENTRY, 1, ("cid", "", -1))
+            return None
+        if kind == "cid":
+            _, digits, last_c = st
+            if ch.isdigit():
+                return ("cid", digits + ch, last_c) if self._cursor_ok(digits + ch, last_c) else None
+            if ch == "," and digits and int(digits) in self.open and int(digits) > last_c \
+                    and str(int(digits)) == digits:
+                return ("lit", _READERS, 1, ("rid", "", int(digits), self.lo - 1))
+            return None
+        if kind == "rid":
+            _, digits, last_c, last_r = st
+            lo = max(self.lo, last_r + 1)
+            if ch.isdigit():
+                return ("rid", digits + ch, last_c, last_r) if _has_prefix_in(digits + ch, lo, self.hi) else None
+            if not digits or str(int(digits)) != digits or not lo <= int(digits) <= self.hi:
+                return None
+            r = int(digits)
+            if ch == "," and r < self.hi:
+                return ("lit", ", ", 1, ("rid", "", last_c, r))
+            if ch == "]":
+                return ("lit", "]}", 1, ("entry_end", last_c))
+            return None
+        if kind == "entry_end":
+            (_, last_c) = st
+            if ch == "," and self._more_cursors(last_c):
+                return ("lit", ", " + _ENTRY, 1, ("cid", "", last_c))
+            if ch == "]":
+                return ("lit", "]}", 1, ("done",))
+            return None
+        return None  # done: nothing may follow
+
+    def feed(self, st: tuple | None, text: str) -> tuple | None:
+        for ch in text:
+            if st is None:
+                return None
+            st = self._step(st, ch)
+        return st
+
+    @staticmethod
+    def done(st: tuple | None) -> bool:
+        return st is not None and st[0] == "done"
+
+
+def parse_plan(text: str, open_ids: list[int], boundary: int) -> list[dict]:
+    """Strict validation of a plan text: `{"plan": [{"cursor": c, "readers": [s, ...]}, ...]}` with every c an open
+    cursor (each once) and every reader list non-empty, without repeats, of steps in [boundary, boundary +
+    PLAN_HORIZON). Returns the entries (cursors and readers sorted) or raises PlanError: all or nothing."""
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"not JSON: {e}") from e
+    if not isinstance(data, dict) or set(data) != {"plan"} or not isinstance(data["plan"], list):
+        raise PlanError('expected {"plan": [...]}')
+    hi = boundary + PLAN_HORIZON - 1
+    out, seen = [], set()
+    for k, e in enumerate(data["plan"]):
+        if not isinstance(e, dict) or set(e) != {"cursor", "readers"}:
+            raise PlanError(f'plan[{k}] must be {{"cursor": c, "readers": [...]}}')
+        c, rs = e["cursor"], e["readers"]
+        if not _is_int(c) or c not in open_ids or c in seen:
+            raise PlanError(f"plan[{k}].cursor {c!r} is not an open cursor (open: {sorted(open_ids)}) or repeats")
+        if not isinstance(rs, list) or not rs or not all(_is_int(r) and boundary <= r <= hi for r in rs) \
+                or len(set(rs)) != len(rs):
+            raise PlanError(f"plan[{k}].readers {rs!r} must be distinct future steps in [{boundary}, {hi}]")
+        seen.add(c)
+        out.append({"cursor": c, "readers": sorted(rs)})
+    return sorted(out, key=lambda e: e["cursor"])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class PlanDecision:
+    text: str
+    plan: list[dict] | None  # the validated entries; None: invalid (a parse failure, ignored)
+    tokens: int = 0
+    truncated: bool = False  # the token budget ran out before the plan closed (invalid: never applied partially)
+    error: str | None = None
+
+    def as_json(self) -> dict:
+        return {"text": self.text, "plan": self.plan, "tokens": self.tokens, "truncated": self.truncated,
+                "error": self.error}
+
+
+def check_plan(text: str, open_ids: list[int], boundary: int, tokens: int = 0,
+               truncated: bool = False) -> PlanDecision:
+    """A plan text judged strictly: valid entries, or a parse failure (plan None, error set)."""
+    if truncated:
+        return PlanDecision(text, None, tokens, True, "the token budget ran out before the plan closed")
+    try:
+        return PlanDecision(text, parse_plan(text, open_ids, boundary), tokens)
+    except PlanError as e:
+        return PlanDecision(text, None, tokens, False, str(e))
+
+
+def _plan_steps(session: Session, tokenizer, open_ids: list[int], boundary: int,
+                max_tokens: int) -> Generator[None, None, PlanDecision]:
+    """Greedy decode of the plan on `session` (holding trigger + opener) under `PlanGrammar`, one forward a step."""
+    grammar = PlanGrammar(open_ids, boundary)
+    cand_ids, cand_texts = _candidates(tokenizer, _PLAN_ALPHABET)
+    cand = torch.tensor(cand_ids, dtype=torch.long)
+    session.append(tokenizer.encode(PLAN_PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
+    yield
+    tail, state, used = "", grammar.start(), 0
+    for used in range(1, max_tokens + 1):  # noqa: B007 (the count is reported)
+        order = torch.argsort(session.last_logits[cand], descending=True).tolist()
+        for k in order:
+            nxt = grammar.feed(state, cand_texts[k])
+            if nxt is not None:
+                break
+        else:  # cannot happen: every reachable state has a continuation made of candidate characters
+            raise RuntimeError(f"no valid plan continuation after {tail!r}")
+        tail, state = tail + cand_texts[k], nxt
+        if grammar.done(state):
+            return check_plan(PLAN_PREFIX + tail, open_ids, boundary, used)
+        session.append([cand_ids[k]], kind="assistant", continue_message=True, logits="last")
+        yield
+    return check_plan(PLAN_PREFIX + tail, open_ids, boundary, used, truncated=True)
+
+
+def plan_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int],
+               max_tokens: int = 128) -> Generator[None, None, PlanDecision]:
+    """`aux_steps` for `Planning mode`: trigger, opener, then the constrained plan, one forward per step. The boundary
+    (the first step a reader may be) is `len(messages)`: the step right after the fork's last message."""
+    history = messages + [{"role": "user", "content": PLAN_TRIGGER}]
+    trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
+    fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
+    yield
+    return (yield from _plan_steps(fork, tokenizer, open_cursors, len(messages), max_tokens))
+
+
+def run_plan(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 128,
+             use_adapter: bool = True) -> PlanDecision:
+    """Fork the main session, append `Planning mode` and the opener, decode the plan (the by-hand planner call)."""
+    if not open_cursors:
+        return check_plan(PLAN_PREFIX + "]}", [], len(messages))
+    fork = main.fork()
+    fork.config.use_adapter = use_adapter
+    return drive(plan_steps(fork, tokenizer, messages, open_cursors, max_tokens))
+
+
+def plan_blueprint(plan: list[dict], ranges: list[tuple[int, int]]) -> list[PlannedSpan]:
+    """The plan as blueprint spans: each planned cursor's whole message (its logical token range, `ranges[c]`) with
+    its reader steps (step = message index, as `serve/blueprint.py` reads them)."""
+    return parse_blueprint([{"span": list(ranges[e["cursor"]]), "readers": e["readers"]} for e in plan])
+
+
 # -- the server's aux worker ----------------------------------------------------------------------------------------
 class Scheduler:
     """The model lock of a server, with priorities: main work first, the aux worker only in idle time.
@@ -280,12 +505,39 @@ class AuxConfig:
     every: int = 4  # fork right after every K-th tool response of a session (`fork_point`)
     max_tokens: int = 48  # decode budget of one `{"del_cursors": [...]}`
     use_adapter: bool = True  # False: the base model is the manager (testing, or no adapter trained yet)
+    plan: bool = False  # also run `Planning mode` at each fork: its plan becomes the session's blueprint
+    plan_max_tokens: int = 128  # decode budget of one `{"plan": [...]}` (running out = a parse failure)
 
     def validate(self) -> None:
         if self.every < 1:
             raise ValueError(f"aux every K must be >= 1, got {self.every}")
         if self.max_tokens < 1:
             raise ValueError(f"aux max_tokens must be >= 1, got {self.max_tokens}")
+        if self.plan_max_tokens < 1:
+            raise ValueError(f"aux plan max_tokens must be >= 1, got {self.plan_max_tokens}")
+
+
+class PlanMetrics:
+    """Counters of the learned planner, registered on the server's Prometheus registry (once per registry)."""
+
+    def __init__(self, registry):
+        from prometheus_client import Counter
+
+        p = "kvsteward_aux_plan_"
+        self.decisions = Counter(p + "decisions_total", "Aux `Planning mode` runs that ended (valid or not)",
+                                 registry=registry)
+        self.parse_failures = Counter(p + "parse_failures_total",
+                                      "Aux plans that were invalid or truncated (ignored, never applied)",
+                                      registry=registry)
+        self.spans = Counter(p + "planned_spans_total", "Blueprint spans installed on sessions from aux plans",
+                             registry=registry)
+
+    @classmethod
+    def of(cls, metrics) -> PlanMetrics:
+        got = getattr(metrics, "aux_plan", None)
+        if got is None:
+            got = metrics.aux_plan = cls(metrics.registry)
+        return got
 
 
 @dataclass
@@ -317,11 +569,14 @@ class AuxWorker:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.step_hook: Callable[[str, int], None] | None = None  # tests: called between steps (no lock held)
+        self.plan_hook: Callable[[AuxJob], str] | None = None  # tests: a fake planner's text instead of the decode
         self.errors: list[BaseException] = []
 
     def warm(self) -> None:
-        """The constrained decoder's candidate table (a scan of the vocabulary): built once, before serving."""
+        """The constrained decoders' candidate tables (a scan of the vocabulary): built once, before serving."""
         _candidates(self.tokenizer)
+        if self.config.plan:
+            _candidates(self.tokenizer, _PLAN_ALPHABET)
 
     def submit(self, sid: str) -> None:
         with self._cond:
@@ -387,21 +642,38 @@ class AuxWorker:
         try:
             if self._stop:
                 return
+            # the planner's own copy of the boundary state, taken before the deletion decode writes `job.fork`
+            plan_fork = job.fork.fork() if self.config.plan and self.plan_hook is None else None
             steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens)
-            k = 0
-            while True:
-                if self.step_hook is not None:
-                    self.step_hook(sid, k)
-                if self._stop:
-                    return
-                with self.sched.aux_step() as waited:
-                    if waited and self.metrics is not None:
-                        self.metrics.aux_preemptions.inc()
-                    try:
-                        next(steps)
-                    except StopIteration as stop:
-                        decision = stop.value
-                        break
-                k += 1
+            k, got = self._drive(sid, steps, 0)
+            if got is None:
+                return
+            if self.config.plan:
+                if self.plan_hook is not None:
+                    plan = check_plan(self.plan_hook(job), job.open_cursors, len(job.messages))
+                else:
+                    _, plan = self._drive(sid, plan_steps(plan_fork, self.tokenizer, job.messages, job.open_cursors,
+                                                          self.config.plan_max_tokens), k)
+                    if plan is None:
+                        return
+                got.plan = plan
+            decision = got
         finally:  # a decision, or None (an error or a shutdown): either way the session may fork again
             self.store.aux_deliver(sid, job, decision, time.perf_counter() - t0)
+
+    def _drive(self, sid: str, steps: Generator, k: int) -> tuple[int, object | None]:
+        """Run a step generator under the scheduler, one model-lock hold per step: (next step number, its value),
+        value None if the worker is stopping."""
+        while True:
+            if self.step_hook is not None:
+                self.step_hook(sid, k)
+            if self._stop:
+                return k, None
+            with self.sched.aux_step() as waited:
+                if waited and self.metrics is not None:
+                    self.metrics.aux_preemptions.inc()
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return k + 1, stop.value
+            k += 1

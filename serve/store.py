@@ -22,6 +22,13 @@ session's next turn, as a drop of those tool messages before any of the turn's o
 (`"aux"` in the turn record, the drop among its `"ops"`): a restart replays it exactly. A decision still being
 computed when the next turn arrives waits for the turn after (as SideQuest's main thread re-checks its aux thread at
 every step); a boundary reached meanwhile forks nothing (one decision per session at a time).
+
+The learned planner (`AuxConfig.plan`): the same aux run also decodes a `Planning mode` plan on the same boundary
+state; a valid plan becomes the session's blueprint (the create-time blueprint plus one span per planned cursor: its
+whole message, with its reader steps; it replaces the previous plan's spans) at the start of the next turn, before
+the turn's ops — the same place as the aux drop. A blueprint is not an engine op (it only steers later evictions), so
+the turn record carries the whole new blueprint (`"blueprint"`), and a rebuild installs it before replaying that
+turn's ops: the same evictions happen again, checked op for op against the persisted history.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, fork_point, open_cursors
+from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, PlanMetrics, fork_point, open_cursors, plan_blueprint
+from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.completions import check_context, max_new_tokens, stop_strings
 from kvsteward.serve.decode import Decoder
 from kvsteward.serve.ops import (
@@ -155,19 +163,27 @@ def _history_key(history: list[dict]) -> str:
     return hashlib.sha256(json.dumps(history, separators=(",", ":")).encode()).hexdigest()  # = Session.history_key
 
 
-def _replayed_state(turns: list[dict]) -> tuple[list[dict], set[int], set[int], list[dict]]:
-    """Messages, dropped messages (client + aux), aux-dropped messages and engine history of persisted turns."""
+def blueprint_json(spans) -> list[dict]:
+    return [{"span": [s.start, s.end], "readers": list(s.readers)} for s in spans]
+
+
+def _replayed_state(turns: list[dict]) -> tuple[list[dict], set[int], set[int], list[dict], tuple | None]:
+    """Messages, dropped messages (client + aux), aux-dropped messages, engine history and blueprint (None: never
+    changed by a plan) of persisted turns."""
     messages: list[dict] = []
     dropped: set[int] = set()
     aux_dropped: set[int] = set()
     expected: list[dict] = []
+    blueprint = None
     for t in turns:
         expected.extend(t["ops"])
         messages.extend(t["messages"])
         for js in t["cache"].get("drop", {}).values():
             dropped.update(js)
         aux_dropped.update((t.get("aux") or {}).get("dropped", ()))
-    return messages, dropped | aux_dropped, aux_dropped, expected
+        if "blueprint" in t:
+            blueprint = tuple(parse_blueprint(t["blueprint"]))
+    return messages, dropped | aux_dropped, aux_dropped, expected, blueprint
 
 
 def _without(cache: CacheSpec, gone: set[int]) -> CacheSpec:
@@ -197,6 +213,7 @@ class Record:
     aux_pending: dict | None = None  # an aux decision waiting for the next turn
     aux_job: AuxJob | None = None  # a fork handed to the aux worker, until its decision is delivered
     aux_dropped: set[int] = field(default_factory=set)  # messages dropped by applied aux decisions
+    blueprint: tuple[PlannedSpan, ...] | None = None  # the session's blueprint now (None: the spec's, no plan yet)
     unloaded_key: str | None = None  # history key of the state snapshotted into the tiers at unload
 
     def describe(self) -> dict:
@@ -204,8 +221,12 @@ class Record:
         return {"id": self.id, "object": "session", "created": self.created, "config": self.spec.as_json(),
                 "turns": self.turns, "n_messages": len(self.messages), "messages": self.messages,
                 "dropped_messages": sorted(self.dropped), "aux_dropped_messages": sorted(self.aux_dropped),
-                "aux_pending": self.aux_pending is not None, "resident_tokens": s.resident, "n_logical": s.n_logical,
+                "aux_pending": self.aux_pending is not None, "blueprint": blueprint_json(self.current_blueprint()),
+                "resident_tokens": s.resident, "n_logical": s.n_logical,
                 "next_position": s.next_pos, "history_len": len(s.history), "history_key": s.history_key()}
+
+    def current_blueprint(self) -> tuple[PlannedSpan, ...]:
+        return self.spec.blueprint if self.blueprint is None else self.blueprint
 
 
 class SessionStore:
@@ -227,6 +248,7 @@ class SessionStore:
         self.aux = aux
         self.worker = None
         self.aux_forks, self.aux_fork_seconds, self.aux_fork_seconds_max = 0, 0.0, 0.0  # the forks' main-turn cost
+        self.plan_metrics = PlanMetrics.of(metrics) if aux is not None and aux.plan else None
         if aux is not None:
             if not hasattr(lock, "aux_step"):
                 raise ValueError("the aux worker needs a Scheduler as the model lock")
@@ -337,13 +359,18 @@ class SessionStore:
         expected_key = rec.unloaded_key
         rec.unloaded_key = None
         if self.tiers is not None:
+            blueprint = rec.blueprint
             if turns is not None:  # first load in this process: the log says what the state must be
                 expected_key = _history_key([op for t in turns for op in t["ops"]])
-            got = self.tiers.take(rec.id, self.engine, rec.spec.new_session(self.engine).config)
+                blueprint = _replayed_state(turns)[4]
+            config = rec.spec.new_session(self.engine).config
+            if blueprint is not None:  # a planned blueprint is session state the snapshot does not carry
+                config.blueprint = list(blueprint)
+            got = self.tiers.take(rec.id, self.engine, config)
             if got is not None:
                 if expected_key is not None and got.session.history_key() == expected_key:
                     if turns is not None:
-                        rec.messages, rec.dropped, rec.aux_dropped, _ = _replayed_state(turns)
+                        rec.messages, rec.dropped, rec.aux_dropped, _, rec.blueprint = _replayed_state(turns)
                         rec.turns, rec.pending = len(turns), None
                     rec.session = got.session
                     self.metrics.tier_restores.labels(got.tier).inc()
@@ -361,17 +388,19 @@ class SessionStore:
         session = rec.spec.new_session(self.engine)
         for t in turns:
             try:
+                if "blueprint" in t:  # a plan installed at this turn, before its ops (as the live turn did)
+                    session.config.blueprint = list(parse_blueprint(t["blueprint"]))
                 with self.lock:  # hold the engine for a whole turn: replay is a burst of forwards
                     replay(session, t["ops"])
             except (ValueError, KeyError, TypeError) as e:  # CacheOpError included: a log the engine refuses
                 raise RebuildError(f"session {rec.id}: turn {t.get('turn')} does not replay: {e}") from e
-        messages, dropped, aux_dropped, expected = _replayed_state(turns)
+        messages, dropped, aux_dropped, expected, blueprint = _replayed_state(turns)
         if session.history != expected:
             at = next((i for i, (a, b) in enumerate(zip(session.history, expected, strict=False)) if a != b),
                       min(len(session.history), len(expected)))
             raise RebuildError(f"session {rec.id}: replay diverged from the persisted history at op {at}")
         rec.session, rec.messages, rec.dropped, rec.turns = session, messages, dropped, len(turns)
-        rec.aux_dropped = aux_dropped
+        rec.aux_dropped, rec.blueprint = aux_dropped, blueprint
         rec.pending = None
         self.metrics.rebuild_seconds.observe(time.perf_counter() - t0)
         self._publish()
@@ -399,6 +428,11 @@ class SessionStore:
             aux_msgs = sorted(c for c in aux["del_cursors"] if c < n_old and c not in rec.dropped and c not in client)
             if aux_msgs:
                 ops = [("drop", tuple(aux_msgs)), *ops]
+        session = rec.session
+        planned, blueprint = None, None  # a valid aux plan: its spans, and the session's blueprint with them
+        if aux is not None and (aux.get("plan") or {}).get("plan") is not None:
+            planned = tuple(plan_blueprint(aux["plan"]["plan"], message_ranges_of(session.history)))
+            blueprint = rec.spec.blueprint + planned
         fork_at = None  # the aux fork: right after this message (a tool response at a boundary)
         if self.worker is not None and rec.aux_job is None:
             fork_at = fork_point(msgs, n_old, self.aux.every)
@@ -407,7 +441,6 @@ class SessionStore:
         if generate:
             n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
             stops = stop_strings(body.get("stop"))
-        session = rec.session
         h0 = len(session.history)
         job = None
 
@@ -419,6 +452,8 @@ class SessionStore:
                 job = self._fork(rec, session, msgs[: fork_at + 1], open_c)
 
         try:
+            if blueprint is not None:  # installed before any of the turn's ops (new list: forks keep theirs)
+                session.config.blueprint = list(blueprint)
             reply = self._apply(rec, session, msgs, ops, generate, n_new, stops,
                                 None if fork_at is None else (fork_at - n_old, take_fork))
             new_messages = new + ([{"role": "assistant", "content": reply["content"]}] if reply else [])
@@ -426,6 +461,8 @@ class SessionStore:
                       "ops": session.history[h0:], "reply": reply}
             if aux is not None:
                 record["aux"] = {**aux, "dropped": aux_msgs}
+            if blueprint is not None:
+                record["blueprint"] = blueprint_json(blueprint)
             rec.log.append(record)
         except BaseException:
             rec.session = None  # partly applied and never persisted: rebuild from the log on next use
@@ -438,6 +475,10 @@ class SessionStore:
             rec.dropped.update(aux_msgs)
             rec.aux_dropped.update(aux_msgs)
             self.metrics.aux_deleted.inc(len(aux_msgs))
+        if blueprint is not None:
+            rec.blueprint = blueprint
+            if self.plan_metrics is not None:
+                self.plan_metrics.spans.inc(len(planned))
         rec.turns += 1
         if job is not None:  # forked in this (now persisted) turn
             rec.aux_job = job
@@ -472,9 +513,13 @@ class SessionStore:
 
     def aux_deliver(self, sid: str, job: AuxJob, decision, seconds: float) -> None:
         """The decision (None: none, the run failed or stopped), to be applied at the session's next turn."""
+        plan = None if decision is None else decision.plan
         if decision is not None:
             self.metrics.aux_decisions.inc()
             self.metrics.aux_seconds.observe(seconds)
+        if plan is not None and self.plan_metrics is not None:
+            self.plan_metrics.decisions.inc()
+            self.plan_metrics.parse_failures.inc(plan.plan is None)
         with self._guard:
             rec = self._records.get(sid)
         if rec is None:
@@ -488,6 +533,8 @@ class SessionStore:
                                "open_cursors": job.open_cursors, "del_cursors": decision.del_cursors,
                                "text": decision.text, "truncated": decision.truncated,
                                "fork_s": round(job.fork_s, 6), "seconds": round(seconds, 6)}
+            if plan is not None:
+                rec.aux_pending["plan"] = plan.as_json()
 
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
                stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:
