@@ -1,7 +1,8 @@
 """The SideQuest auxiliary thread on SGLang: a prefix fork of the main thread, and its decision as a drop.
 
-The fork is a plain request whose history is the main thread's (prompt and reply, as the main's last request sent
-and produced them) plus the trigger message: it matches the main's cached state in the tree (same op path, no copy;
+The fork is a plain request whose history is the main thread's up to and including the K-th tool response — the
+boundary the manager was trained on (`kvsteward.synth.hindsight.boundaries`), i.e. the main request's prompt before
+its reply — plus the trigger message: it matches the main's cached state in the tree (same op path, no copy;
 the tree's lock references keep the shared nodes alive) and appends the trigger in its own new slots, which never
 enter the main's path. Its `{"del_cursors": [...]}` reply becomes a drop (plus the reposition SGLang needs, see
 `kvsteward.serve.sglang.ops`) in the cache ops of the main thread's *next* request, right after the current turn.
@@ -23,8 +24,9 @@ _DEL = re.compile(r'\{\s*"del_cursors"\s*:\s*\[([0-9,\s]*)\]\s*\}')
 
 def fork_request(messages: list[list[int]], cache: dict | None, trigger: list[int], via: str = "custom_params",
                  max_new_tokens: int = 64) -> dict:
-    """`/generate` body for the aux thread: the main history (message token ids, the main reply included as its
-    last message) plus the trigger (the trigger message and the assistant opener, as token ids)."""
+    """`/generate` body for the aux thread: the main history up to the boundary (message token ids ending with the
+    tool response; the main's prompt, which the tree holds as a prefix of its cached path) plus the trigger (the
+    trigger message and the assistant opener, as token ids)."""
     body = request_fields([*messages, list(trigger)], cache, via=via)
     body.setdefault("sampling_params", {}).update({"max_new_tokens": max_new_tokens, "temperature": 0.0})
     return body
