@@ -112,12 +112,14 @@ class ChatService:
         stops = stop_strings(body.get("stop"))
         gen_prompt = generation_prompt_ids(tok, messages, tools)
 
-        session, depth = self._build(spec, ops, ranges)
+        session, match = self._build_match(spec, ops, ranges)
+        depth = match.depth
         reused = sum(op_tokens(op) for op in ops[:depth])
         requested = ranges[-1][1]
         self.metrics.reuse(requested, reused)
         info = {"reused_tokens": reused, "resident_tokens": session.resident, "history_len": len(session.history),
-                "history_key": session.history_key(), "next_position": session.next_pos}
+                "history_key": session.history_key(), "next_position": session.next_pos,
+                "prefix_match": match.kind}
         check_context(self.engine, session, len(gen_prompt) + n_new)
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
@@ -125,8 +127,15 @@ class ChatService:
         return Prepared(session, decoder, prompt_tokens=requested + len(gen_prompt), reused_tokens=reused, info=info)
 
     def _build(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]]):
-        """Fork the deepest cached prefix, apply the rest, cache the result (and checkpoints on the way)."""
-        session, depth = self.cache.lookup_fork(spec, ops)
+        """(session, depth): see `_build_match`."""
+        session, match = self._build_match(spec, ops, ranges)
+        return session, match.depth
+
+    def _build_match(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]]):
+        """Fork the deepest cached prefix (exact, or a repositioned version of it restored by re-rotation: see
+        `PrefixCache.lookup`), apply the rest, cache the result (and checkpoints on the way); (session, Match)."""
+        match = self.cache.lookup(spec, ops, self.lock)
+        session, depth = match.session, match.depth
         if session is None:
             session = spec.new_session(self.engine)
         marks = self._checkpoint_depths(ops) if self.checkpoints else set()
@@ -134,9 +143,9 @@ class ChatService:
             apply_op(session, ops[i], ranges, self.lock)
             if i + 1 in marks and i + 1 < len(ops):
                 self.cache.insert(spec, ops[: i + 1], session)
-        if depth < len(ops):
+        if depth < len(ops) or match.kind == "compatible":  # a restored state(ops) is not held yet either
             self.cache.insert(spec, ops, session)
-        return session, depth
+        return session, match
 
     @staticmethod
     def _checkpoint_depths(ops: list) -> set[int]:

@@ -29,8 +29,11 @@ class Metrics:
         self.cache_bytes = Gauge(p + "prefix_cache_bytes", "Bytes allocated by the prefix cache's states", registry=r)
         self.cache_resident = Gauge(p + "prefix_cache_resident_tokens", "Resident KV tokens held by the prefix cache",
                                     registry=r)
-        self.evictions = Counter(p + "prefix_cache_evictions_total", "States evicted from the prefix cache (LRU)",
+        self.evictions = Counter(p + "prefix_cache_evictions_total", "States evicted from the prefix cache",
                                  registry=r)
+        self.compatible_hits = Counter(p + "prefix_cache_compatible_hits_total",
+                                       "Prefix-cache lookups served by a repositioned state restored by re-rotation",
+                                       registry=r)
         self.session_resident = Gauge(p + "session_resident_tokens", "Resident KV tokens of loaded persistent sessions",
                                       registry=r)
         self.sessions_active = Gauge(p + "sessions_active", "Persistent sessions loaded in memory", registry=r)

@@ -9,15 +9,28 @@ another's state (the cache only ever hands out copies).
 Memory is bounded by the bytes the held states allocate: states that a held continuation has superseded through a
 drop go first (their dropped KV serves only requests that do not drop), then least-recently-used ones; a state being
 forked right now (pinned) never goes, and emptied nodes stay while they lead to other states so those remain findable.
+
+Compatible matches (position versions, AKV §4.2.3 / A.1.2): a held state reached by the request's prefix P followed
+only by `("reposition",)` ops is the same computation as state(P) with its keys stored at compacted positions. When
+no exact state is at least as deep, the lookup forks it and `unreposition` turns the fork into state(P): positions
+from replaying the engine history's position bookkeeping (no model forward), K re-rotated from the fp32 reference
+keys, next position, renumber count and history restored. A reposition that precedes a later op is never stripped
+(AKV Figure 11: it changed the hidden states of every token computed after it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvsteward.serve.ops import Op
+
+REPOSITION: Op = ("reposition",)
+_MOVES = ("reposition", "renumber")
 
 
 @dataclass(eq=False)
@@ -46,6 +59,77 @@ def compact_copy(session):
     return copy
 
 
+def replay_positions(history: list[dict]) -> tuple[dict[int, int], int]:
+    """Physical position of every resident logical token, and the next position, after the engine `history`: the
+    engine's position bookkeeping without any forward (append advances the next position, drop / evict remove,
+    reposition / renumber give the survivors 0..r-1 in logical order)."""
+    pos: dict[int, int] = {}
+    n_logical = next_pos = 0
+    for entry in history:
+        op = entry["op"]
+        if op == "append":
+            c = len(entry["tokens"])
+            pos.update((n_logical + j, next_pos + j) for j in range(c))
+            n_logical += c
+            next_pos += c
+        elif op in ("drop", "evict"):
+            for i in entry["indices"]:
+                pos.pop(i, None)  # a drop may name a token the policy already evicted
+        elif op in _MOVES:
+            pos = {i: p for p, i in enumerate(sorted(pos))}
+            next_pos = len(pos)
+        else:
+            raise ValueError(f"unknown engine history op {op!r}")
+    return pos, next_pos
+
+
+def trailing_repositions(history: list[dict]) -> int:
+    """How many `reposition` entries end the engine history (renumbers are not counted: they belong to an append)."""
+    k = 0
+    while k < len(history) and history[-1 - k] == {"op": "reposition"}:
+        k += 1
+    return k
+
+
+def unreposition(session, k: int) -> None:
+    """Undo the last `k` repositions of `session` in place (it must be a private fork): the state before them.
+
+    Only trailing repositions can be undone exactly: they moved keys and nothing else (no forward ran after them).
+    Keys get the positions that replaying the earlier history's bookkeeping gives, as R(p - p_ref) K_ref from the
+    fp32 reference keys (K_ref itself where p = p_ref); the fp32 reference keys are dropped again when the earlier
+    history never moved a key, as in a fresh build. Raises ValueError (session unchanged) when the history does not
+    end in k repositions or the replayed residents differ from the table's.
+    """
+    from kvsteward.serve.session import move_resident
+
+    if not 1 <= k <= trailing_repositions(session.history):
+        raise ValueError(f"the history does not end in {k} reposition(s)")
+    base = session.history[:-k]
+    pos, next_pos = replay_positions(base)
+    t = session.table
+    logical = t.field("logical").tolist()
+    if logical != sorted(pos):
+        raise ValueError("the replayed history does not give the resident slots of this state")
+    new_pos = torch.tensor([pos[i] for i in logical], dtype=torch.long, device=t.device)
+    move_resident(t, session.engine.rope, new_pos)
+    if not any(entry["op"] in _MOVES for entry in base):
+        t.ref_k = None  # a fresh build takes reference keys at its first move; p = p_ref here, so K = K_ref exactly
+    session.next_pos = next_pos
+    session.renumbers -= k
+    session.history = list(base)
+
+
+@dataclass
+class Match:
+    """A lookup's result: `session` (a private fork, or None), `depth` (request ops it covers), `kind`
+    ("exact", "compatible" or "miss") and, for a compatible match, the trailing repositions undone."""
+
+    session: object | None
+    depth: int
+    kind: str
+    repositions: int = 0
+
+
 class PrefixCache:
     def __init__(self, max_bytes: int, metrics=None):
         self.max_bytes = max_bytes
@@ -56,29 +140,63 @@ class PrefixCache:
         self.states = 0
         self.resident_tokens = 0
         self.evictions = 0
+        self.compatible_hits = 0
 
     # -- lookup ---------------------------------------------------------------------------------------------------
-    def lookup_fork(self, root_key, ops: list[Op]):
-        """(fork of the deepest cached state on the path of `ops`, its depth) or (None, 0)."""
+    def lookup_fork(self, root_key, ops: list[Op], lock=None):
+        """(fork of the deepest usable cached state on the path of `ops`, its depth) or (None, 0); see `lookup`."""
+        match = self.lookup(root_key, ops, lock)
+        return match.session, match.depth
+
+    def lookup(self, root_key, ops: list[Op], lock=None, compatible: bool = True) -> Match:
+        """The deepest exact state on the path of `ops`, or a strictly deeper compatible one.
+
+        Exact: a node on the path holds a state. Compatible: the node at depth d' on the path (ops[:d'] matched,
+        so the walk still stops at the first differing token or op) has a chain of only `("reposition",)` children
+        ending in a held state; its fork, un-repositioned, is state(ops[:d']). Ties go to the exact state. `lock`
+        (the engine's compute lock) is held while a compatible fork is re-rotated, like a reposition op.
+        `compatible=False`: exact states only.
+        """
         with self._lock:
             node = self._roots.get(root_key)
-            best, depth = None, 0
-            for op in ops:
+            exact, compat, reps = None, None, 0
+            for depth in range(len(ops) + 1):
                 if node is None:
                     break
-                node = node.children.get(op)
-                if node is not None and node.state is not None:
-                    best = node
-            if best is None:
-                return None, 0
+                if depth and node.state is not None:
+                    exact = node
+                holder, k = node.children.get(REPOSITION), 1
+                while holder is not None and holder.state is None:
+                    holder, k = holder.children.get(REPOSITION), k + 1
+                if compatible and depth and holder is not None:
+                    compat, reps = (holder, depth), k
+                node = node.children.get(ops[depth]) if depth < len(ops) else None
+            if compat is not None and compat[1] > (exact.depth if exact is not None else 0):
+                best, depth, kind = compat[0], compat[1], "compatible"
+            elif exact is not None:
+                best, depth, kind, reps = exact, exact.depth, "exact", 0
+            else:
+                return Match(None, 0, "miss")
             best.pins += 1  # pinned: eviction skips it while the fork below runs outside the lock
             best.last_used = time.monotonic()
-            state, depth = best.state, best.depth
+            state = best.state
         try:
-            return state.fork(), depth
+            fork = state.fork()
         finally:
             with self._lock:
                 best.pins -= 1
+        if kind == "compatible":
+            try:
+                with lock if lock is not None else contextlib.nullcontext():
+                    unreposition(fork, reps)
+            except ValueError:  # a held state whose history does not replay (never expected): use exact states
+                return self.lookup(root_key, ops, lock, compatible=False)
+            with self._lock:
+                self.compatible_hits += 1
+            counter = getattr(self.metrics, "compatible_hits", None)
+            if counter is not None:
+                counter.inc()
+        return Match(fork, depth, kind, reps)
 
     # -- insertion and eviction -----------------------------------------------------------------------------------
     def insert(self, root_key, ops: list[Op], session) -> bool:
