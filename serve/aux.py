@@ -517,29 +517,6 @@ class AuxConfig:
             raise ValueError(f"aux plan max_tokens must be >= 1, got {self.plan_max_tokens}")
 
 
-class PlanMetrics:
-    """Counters of the learned planner, registered on the server's Prometheus registry (once per registry)."""
-
-    def __init__(self, registry):
-        from prometheus_client import Counter
-
-        p = "kvsteward_aux_plan_"
-        self.decisions = Counter(p + "decisions_total", "Aux `Planning mode` runs that ended (valid or not)",
-                                 registry=registry)
-        self.parse_failures = Counter(p + "parse_failures_total",
-                                      "Aux plans that were invalid or truncated (ignored, never applied)",
-                                      registry=registry)
-        self.spans = Counter(p + "planned_spans_total", "Blueprint spans installed on sessions from aux plans",
-                             registry=registry)
-
-    @classmethod
-    def of(cls, metrics) -> PlanMetrics:
-        got = getattr(metrics, "aux_plan", None)
-        if got is None:
-            got = metrics.aux_plan = cls(metrics.registry)
-        return got
-
-
 @dataclass
 class AuxJob:
     """A fork taken by the store inside a main turn, at a boundary, and the context it was taken in."""

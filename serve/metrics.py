@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -66,6 +68,13 @@ class Metrics:
         self.tier_stale = Counter(p + "tier_stale_total",
                                   "Tier copies discarded because they did not match the persisted history",
                                   registry=r)
+        self.aux_plan = SimpleNamespace(  # the learned planner (`--aux-plan`)
+            decisions=Counter(p + "aux_plan_decisions_total", "Aux `Planning mode` runs that ended (valid or not)",
+                              registry=r),
+            parse_failures=Counter(p + "aux_plan_parse_failures_total",
+                                   "Aux plans that were invalid or truncated (ignored, never applied)", registry=r),
+            spans=Counter(p + "aux_plan_planned_spans_total", "Blueprint spans installed on sessions from aux plans",
+                          registry=r))
 
     def reuse(self, requested: int, reused: int) -> None:
         self.tokens_requested.inc(requested)

@@ -44,7 +44,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, PlanMetrics, fork_point, open_cursors, plan_blueprint
+from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, fork_point, open_cursors, plan_blueprint
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.completions import check_context, max_new_tokens, stop_strings
 from kvsteward.serve.decode import Decoder
@@ -248,7 +248,7 @@ class SessionStore:
         self.aux = aux
         self.worker = None
         self.aux_forks, self.aux_fork_seconds, self.aux_fork_seconds_max = 0, 0.0, 0.0  # the forks' main-turn cost
-        self.plan_metrics = PlanMetrics.of(metrics) if aux is not None and aux.plan else None
+        self.plan_metrics = self.metrics.aux_plan if aux is not None and aux.plan else None
         if aux is not None:
             if not hasattr(lock, "aux_step"):
                 raise ValueError("the aux worker needs a Scheduler as the model lock")

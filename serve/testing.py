@@ -50,3 +50,18 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def turn(client, sid: str, body: dict) -> dict:
+    """POST one persistent-session turn through a TestClient; asserts success and returns the JSON reply."""
+    r = client.post(f"/v1/sessions/{sid}/messages", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def live(app, sid: str):
+    """The store's loaded record of session `sid` (loaded on demand, released right away)."""
+    store = app.state.store
+    rec = store.acquire(sid)
+    store.release(rec)
+    return rec

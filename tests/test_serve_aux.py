@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from kvsteward.serve.api import ServerConfig, create_app
 from kvsteward.serve.aux import AuxConfig, _candidates, fork_point, open_cursors, run_aux
-from kvsteward.serve.testing import tiny_chat_engine
+from kvsteward.serve.testing import live, tiny_chat_engine, turn
 
 torch.set_num_threads(1)
 
@@ -48,19 +48,6 @@ def engine():
 
 def make_app(engine, path, aux=AUX, **kw):
     return create_app(engine, ServerConfig(data_dir=path, aux=aux, **kw))
-
-
-def turn(client, sid, body) -> dict:
-    r = client.post(f"/v1/sessions/{sid}/messages", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def live(app, sid):
-    store = app.state.store
-    rec = store.acquire(sid)
-    store.release(rec)
-    return rec
 
 
 def twin_turns(engine, path, acks: list[dict], turns: list[dict]) -> tuple[object, str, list[dict]]:

@@ -27,7 +27,7 @@ from kvsteward.serve.aux import (
 )
 from kvsteward.serve.blueprint import PlannedSpan
 from kvsteward.serve.store import RebuildError
-from kvsteward.serve.testing import tiny_chat_engine
+from kvsteward.serve.testing import live, tiny_chat_engine, turn
 from kvsteward.synth.hindsight import plan_target, target_text
 from kvsteward.synth.trace import Trace
 
@@ -69,19 +69,6 @@ def make_app(engine, path, aux: dict | None = PLAN, hook=None, **kw):
     if hook is not None:
         app.state.store.worker.plan_hook = hook
     return app
-
-
-def turn(client, sid, body) -> dict:
-    r = client.post(f"/v1/sessions/{sid}/messages", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def live(app, sid):
-    store = app.state.store
-    rec = store.acquire(sid)
-    store.release(rec)
-    return rec
 
 
 def play(app, spec: dict, turns: list[dict]) -> tuple[str, list[dict]]:
