@@ -97,7 +97,8 @@ class Server:
         new = self.alloc.alloc(len(ids) - n)
         row = self.rows.req_to_token[req.kv.req_pool_idx]
         row[:n], row[n: len(ids)] = m.device_indices.to(torch.int32), new.to(torch.int32)
-        self.prefill(new, ids[n:], range(n, len(ids)))
+        off = getattr(req, "kvsteward_position_offset", 0)  # what the ForwardBatch.init_new hook adds
+        self.prefill(new, ids[n:], range(n + off, len(ids) + off))
         out = SimpleNamespace(prefix_len=n, row=row[: len(ids)].long().clone(), node=m.last_device_node)
         if finish:
             self.finish(req)
@@ -295,8 +296,11 @@ def test_op_grammar_refusals_and_physical_ids():
     hist = parse_request(custom, None)
     assert hist.elements == (("tokens", tuple(A + B + C)), ("drop", (3, 4, 5, 6)), ("reposition",),
                              ("tokens", tuple(D)))
-    with pytest.raises(OpsError, match="no reposition in between"):
-        fields([A, B, C, D], {"drop": {"2": [1]}})
+    # a plain drop (no reposition): survivors keep positions 0-2, 7-8; D goes to 9..11 at row indices 5..7
+    ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}})
+    plain = parse_request(custom, None)
+    assert ids == A + C + D and plain.positions == (0, 1, 2, 7, 8, 9, 10, 11) and plain.position_offset == 4
+    assert hist.position_offset == 0 and hist.positions == tuple(range(len(A + C + D)))
     with pytest.raises(OpsError, match="end with appended tokens"):
         fields([A, B], {"reposition": [1]})
     with pytest.raises(OpsError, match="not yet appended"):
@@ -393,6 +397,261 @@ def test_full_server_with_kvsteward_backend(tmp_path):
         generate([A, B, C])
         out = generate([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
         assert out["meta_info"]["cached_tokens"] == len(A + C)  # the re-rotated survivors were reused
+        # a plain drop (no reposition): survivors reused as they are, D and the decode computed at row index + 4
+        out = generate([A, B, C, D], {"drop": {"2": [1]}})
+        assert out["meta_info"]["cached_tokens"] == len(A + C)
+        # the greedy tokens equal the kvsteward engine's for the same history on the same weights (HF reference:
+        # positions kept after the drop); a wrong position for D or the decoded tokens changes the logits
+        from kvsteward.serve.engine import Engine
+
+        ref = Engine(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)).session("full")
+        replay_session(ref, [A, B, C, D], {"drop": {"2": [1]}})
+        assert out["output_ids"] == ref.generate(4)
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------- plain drop: the position offset
+def replay_session(session, messages, cache):
+    """The kvsteward engine's own bookkeeping for the same history: append each message, then its boundary ops
+    (drop, then reposition), with drops given as logical token indices."""
+    starts = [sum(len(m) for m in messages[:i]) for i in range(len(messages))]
+    for i, m in enumerate(messages):
+        session.append(list(m), logits=None)
+        if str(i) in cache.get("drop", {}):
+            session.drop([t for j in cache["drop"][str(i)] for t in range(starts[j], starts[j] + len(messages[j]))])
+        if i in cache.get("reposition", []):
+            session.reposition()
+
+
+def random_history(g: torch.Generator):
+    """Messages of 1-4 tokens and random drops (of resident messages, keeping one) and repositions at boundaries."""
+    n = int(torch.randint(3, 8, (1,), generator=g))
+    messages = [torch.randint(0, VOCAB, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(n)]
+    cache, resident = {"drop": {}, "reposition": []}, []
+    for i in range(n - 1):
+        resident.append(i)
+        if len(resident) > 1 and torch.rand(1, generator=g) < 0.5:
+            k = int(torch.randint(1, len(resident), (1,), generator=g))
+            gone = sorted(resident[j] for j in torch.randperm(len(resident), generator=g)[:k].tolist())
+            cache["drop"][str(i)] = gone
+            resident = [j for j in resident if j not in gone]
+        if torch.rand(1, generator=g) < 0.3:
+            cache["reposition"].append(i)
+    return messages, cache
+
+
+def ops_before(cache, t):
+    """The cache ops of a request holding messages 0..t: those at boundaries before message t."""
+    return {"drop": {k: v for k, v in cache["drop"].items() if int(k) < t},
+            "reposition": [i for i in cache["reposition"] if i < t]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvsteward.models import tiny_model
+    from kvsteward.serve.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine(tiny_model("llama", seed=3))
+
+
+def op_anchor(node):
+    while node is not None and not isinstance(node, OpNode):
+        node = node.parent
+    return node
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_position_offset_of_op_paths_equals_the_engine_bookkeeping(engine, seed):
+    """Turn by turn (each turn's pre-op state cached by the turn before, as an agent loop sends it): the offset the
+    tree sets on the request = the engine session's next position - resident count, and the positions of the tree
+    state (its op node's positions, then next_position onwards) = the session's resident positions."""
+    g = torch.Generator().manual_seed(100 + seed)
+    messages, cache = random_history(g)
+    s = Server(size=1024)
+    offsets = []
+    for t in range(len(messages)):
+        ops = ops_before(cache, t)
+        ids, custom, _ = fields(messages[: t + 1], ops)
+        req = Req(ids, custom)
+        r = s.run(req)
+        assert r.prefix_len >= len(ids) - len(messages[t]) - 1 and s.cache.stats["reprefill"] == 0, t
+        ref = engine.session("full")
+        replay_session(ref, messages[: t + 1], ops)
+        want = ref.next_pos - ref.resident
+        assert req.kvsteward_position_offset == want == parse_request(custom, None).position_offset, t
+        anchor = op_anchor(r.node)
+        row_positions = (anchor.positions.tolist() if anchor is not None else []) + \
+            list(range(anchor.next_position if anchor is not None else 0,
+                       (anchor.next_position if anchor is not None else 0) + len(ids) - len(anchor.kv_row if anchor
+                                                                                           is not None else [])))
+        assert row_positions == ref.resident_positions().tolist(), t
+        # the served row holds K = RoPE(raw, the engine's position) for every resident token, V bit for bit
+        physical = ids
+        for layer in range(LAYERS):
+            torch.testing.assert_close(s.pool.k_buffer[layer][r.row].double(),
+                                       true_k(physical, ref.resident_positions(), layer), rtol=0, atol=2e-6)
+            assert torch.equal(s.pool.v_buffer[layer][r.row], RAW_V[torch.tensor(physical)][:, layer].float())
+        offsets.append(want)
+        if cache["reposition"] and max(cache["reposition"]) < t:  # a reposition after the last drop resets it
+            last_rep = max(cache["reposition"])
+            if all(int(k) <= last_rep for k in ops["drop"]):
+                assert want == 0
+    # every seed's history ends with a tail after its ops; the offsets seen are those of the engine (checked above)
+    assert len(offsets) == len(messages)
+
+
+def test_offset_resets_after_reposition_and_mixed_paths_are_unchanged():
+    s = Server()
+    s.run(Req(*fields([A, B, C])[:2]))
+    plain = Req(*fields([A, B, C, D], {"drop": {"2": [1]}})[:2])
+    s.run(plain)
+    assert plain.kvsteward_position_offset == len(B)
+    both = Req(*fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})[:2])
+    r = s.run(both)
+    assert both.kvsteward_position_offset == 0
+    s.assert_row_is_truth(r.row, A + C + D)  # drop+reposition: exactly as before
+    # plain drop, append, then reposition: the appended tokens (computed at 9..11) are re-rotated from there
+    r = s.run(Req(*fields([A, B, C, D, E], {"drop": {"2": [1]}, "reposition": [3]})[:2]))
+    s.assert_row_is_truth(r.row, A + C + D + E)
+    # a drop, an append, a second drop and no reposition: offsets add up
+    s.run(Req(*fields([A, B, C, D, E], {"drop": {"2": [1]}})[:2]))
+    two = Req(*fields([A, B, C, D, E, TRIG], {"drop": {"2": [1], "4": [0]}})[:2])
+    s.run(two)
+    assert two.kvsteward_position_offset == len(B) + len(A)
+    row = s.run(Req(*fields([A, B, C, D, E, TRIG], {"drop": {"2": [1], "4": [0]}})[:2])).row
+    for layer in range(LAYERS):  # C D E TRIG at their logical positions 7.. (A, B dropped)
+        torch.testing.assert_close(s.pool.k_buffer[layer][row].double(), true_k(C + D + E + TRIG, range(7, 16), layer),
+                                   rtol=0, atol=2e-6)
+    # a tree built for a server that cannot apply offsets serves plain drops as plain tokens
+    s2 = Server()
+    s2.cache.plain_drop = False
+    s2.run(Req(*fields([A, B, C])[:2]))
+    refused = Req(*fields([A, B, C, D], {"drop": {"2": [1]}})[:2])
+    assert s2.run(refused).prefix_len == len(A) and s2.cache.stats["refused"] == 1  # plain tokens A C D: A shared
+    assert refused.kvsteward_position_offset == 0
+
+
+# ------------------------------------------------------------------ the hook on SGLang's own ForwardBatch
+@pytest.fixture(scope="module")
+def sglang_runtime(tmp_path_factory):
+    """What SGLang's scheduler process has before it builds batches: published server args (torch_native attention,
+    CPU) and the plugin loaded (register + HookRegistry.apply_hooks, as load_plugins does)."""
+    from kvsteward.serve.sglang.compat import _lenient_auto_config, _torchvision_for_import
+
+    with _torchvision_for_import(), _lenient_auto_config():
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.managers.schedule_batch import Req as SglReq
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from kvsteward.serve.sglang.plugin import register
+    from kvsteward.serve.sglang.positions import hook_applied
+
+    model_dir = tmp_path_factory.mktemp("model")
+    config = LlamaConfig(**CONFIG.to_dict())
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(model_dir)
+    snapshot = rc.snapshot_context()
+    rc.publish(ServerArgs(model_path=str(model_dir), device="cpu", skip_tokenizer_init=True,
+                          attention_backend="torch_native"), role="scheduler")
+    register()
+    HookRegistry.apply_hooks()
+    assert hook_applied()
+    # the ModelRunner attributes ForwardBatch.init_new reads (a CPU runner with torch_native attention)
+    runner = SimpleNamespace(device="cpu", is_draft_worker=False, prefill_attention_backend_str="torch_native",
+                             kv_index_translator=SimpleNamespace(rebind_write_loc=lambda fb: None),
+                             ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
+                             model_config=SimpleNamespace(model_is_mrope=False), ps=SimpleNamespace(attn_dcp_size=1))
+    ns = SimpleNamespace(Req=SglReq, ScheduleBatch=ScheduleBatch, ForwardBatch=ForwardBatch, runner=runner,
+                         SamplingParams=SamplingParams, NONE=SpeculativeAlgorithm.NONE)
+    with rc.get_parallel().override(moe_ep_size=1):
+        yield ns
+    rc.restore_context(snapshot)
+
+
+def sgl_req(rt, rid, messages, cache=None):
+    ids, custom, _ = fields(messages, cache)
+    return rt.Req(rid, "", array("q", ids), rt.SamplingParams(max_new_tokens=4, custom_params=custom),
+                  vocab_size=VOCAB)
+
+
+def forward(rt, s: Server, batch, session_positions=None):
+    """The stand-in model on a real ForwardBatch: K = RoPE(raw_k[token], forward_batch.positions), V = raw_v[token],
+    written to the batch's out_cache_loc. Returns the ForwardBatch."""
+    fb = rt.ForwardBatch.init_new(batch, rt.runner, return_hidden_states_before_norm=False)
+    ids = fb.input_ids.tolist() if fb.input_ids is not None else batch.prefill_input_ids_cpu.tolist()
+    s.prefill(fb.out_cache_loc.long(), ids, fb.positions)
+    return fb
+
+
+def test_hook_offsets_extend_and_decode_positions_per_request(sglang_runtime, engine):
+    """Real Req / ScheduleBatch (prepare_for_extend, prepare_for_decode) and the hooked ForwardBatch.init_new on a
+    mixed batch: a plain-drop request (offset 4) next to a plain request (offset 0). Positions = row index + offset;
+    the K written for every token of the plain-drop request's row = RoPE(raw, the engine session's position), V
+    bit-identical — what the kvsteward engine stores for the same history."""
+    rt = sglang_runtime
+    s = Server()
+    s.run(Req(*fields([A, B, C])[:2]))  # turn 1: A B C cached (no ops: row positions are exact)
+    dropped = sgl_req(rt, "drop", [A, B, C, D], {"drop": {"2": [1]}})
+    plain = sgl_req(rt, "plain", [A, B, C, E])
+    for r in (dropped, plain):
+        r.init_next_round_input(s.cache)
+        r.set_extend_range(len(r.prefix_indices), len(r.origin_input_ids))
+    assert dropped.kvsteward_position_offset == len(B) and plain.kvsteward_position_offset == 0
+    batch = rt.ScheduleBatch.init_new([dropped, plain], s.rows, s.alloc, s.cache,
+                                      SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False), False, rt.NONE)
+    batch.prepare_for_extend()
+    assert batch.prefix_lens == [len(A + C), len(A + B + C)] and batch.extend_lens == [len(D), len(E)]
+    fb = forward(rt, s, batch)
+    # extend: dropped rows 5..7 at positions 9..11; plain rows 9..10 at 9..10 (row index: untouched)
+    assert fb.positions.tolist() == [9, 10, 11, 9, 10]
+    # decode: one more token each; dropped row 8 -> position 12, plain row 11 -> 11
+    for r in (dropped, plain):
+        r.output_ids.append(TRIG[0])
+    batch.input_ids = torch.tensor([TRIG[0], TRIG[0]])
+    batch.prepare_for_decode()
+    fb = forward(rt, s, batch)
+    assert fb.positions.tolist() == [12, 11]
+    # the rows against the engine's bookkeeping for the same histories (AKV plain drop: positions are kept)
+    ref_drop, ref_plain = engine.session("full"), engine.session("full")
+    replay_session(ref_drop, [A, B, C, D + TRIG[:1]], {"drop": {"2": [1]}})
+    replay_session(ref_plain, [A, B, C, E + TRIG[:1]], {})
+    for r, ref, physical in ((dropped, ref_drop, A + C + D + TRIG[:1]), (plain, ref_plain, A + B + C + E + TRIG[:1])):
+        row = s.rows.req_to_token[r.kv.req_pool_idx, : len(physical)].long()
+        positions = ref.resident_positions()
+        for layer in range(LAYERS):
+            torch.testing.assert_close(s.pool.k_buffer[layer][row].double(), true_k(physical, positions, layer),
+                                       rtol=0, atol=2e-6)
+            assert torch.equal(s.pool.v_buffer[layer][row], RAW_V[torch.tensor(physical)][:, layer].float())
+    assert positions.tolist() == list(range(len(physical)))  # the plain request's reference: row positions
+    assert ref_drop.resident_positions().tolist() == [0, 1, 2, 7, 8, 9, 10, 11, 12]
+
+
+def test_hook_is_inert_without_offsets_and_refuses_unsupported_batches(sglang_runtime):
+    from kvsteward.serve.sglang.positions import offset_positions
+
+    rt = sglang_runtime
+    s = Server()
+    req = sgl_req(rt, "p", [A, B])
+    req.init_next_round_input(s.cache)
+    req.set_extend_range(0, len(A + B))
+    batch = rt.ScheduleBatch.init_new([req], s.rows, s.alloc, s.cache,
+                                      SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False), False, rt.NONE)
+    batch.prepare_for_extend()
+    fb = rt.ForwardBatch.init_new(batch, rt.runner, return_hidden_states_before_norm=False)
+    assert fb.positions.tolist() == list(range(len(A + B)))
+    req.kvsteward_position_offset = 3
+    original = rt.ForwardBatch.init_new.__func__.__wrapped__
+    fb = offset_positions(original, rt.ForwardBatch, batch, rt.runner, return_hidden_states_before_norm=False)
+    assert fb.positions.tolist() == [3 + i for i in range(len(A + B))]
+    mrope = SimpleNamespace(**{**vars(rt.runner), "model_config": SimpleNamespace(model_is_mrope=True)})
+    with pytest.raises(RuntimeError, match="M-RoPE"):
+        offset_positions(original, rt.ForwardBatch, batch, mrope, return_hidden_states_before_norm=False)

@@ -4,8 +4,9 @@ The fork is a plain request whose history is the main thread's up to and includi
 boundary the manager was trained on (`kvsteward.synth.hindsight.boundaries`), i.e. the main request's prompt before
 its reply — plus the trigger message: it matches the main's cached state in the tree (same op path, no copy;
 the tree's lock references keep the shared nodes alive) and appends the trigger in its own new slots, which never
-enter the main's path. Its `{"del_cursors": [...]}` reply becomes a drop (plus the reposition SGLang needs, see
-`kvsteward.serve.sglang.ops`) in the cache ops of the main thread's *next* request, right after the current turn.
+enter the main's path. Its `{"del_cursors": [...]}` reply becomes a drop (with a reposition unless the caller asks
+for a plain drop, see `kvsteward.serve.sglang.ops`) in the cache ops of the main thread's *next* request, right
+after the current turn.
 The same fork works as a session branch (`session_params={"id": S, "rid": main_rid}`) when the client uses SGLang
 sessions; either way it must carry the same op history, which is what `fork_request` builds.
 """
@@ -46,19 +47,21 @@ def parse_del_cursors(text: str, open_cursors: list[int]) -> list[int]:
     return out
 
 
-def apply_del_cursors(cache: dict | None, boundary: int, cursors: list[int]) -> dict:
+def apply_del_cursors(cache: dict | None, boundary: int, cursors: list[int], reposition: bool = True) -> dict:
     """The main thread's cache ops with the aux decision added: drop the cursors' messages (a cursor id is the tool
-    message's index) right after message `boundary` (the main's last message of the current turn), and reposition
-    there so the next append is placed exactly (SGLang computes token i at position i)."""
+    message's index) right after message `boundary` (the main's last message of the current turn), and (by default)
+    reposition there. With `reposition=False` the survivors keep their positions (AKV's plain drop; SGLang applies
+    the position offset through the plugin's `ForwardBatch.init_new` hook)."""
     cache = json.loads(json.dumps(cache or {}))  # a copy: the caller's ops stay as they were
     if not cursors:
         return cache
     drop = cache.setdefault("drop", {})
     key = str(boundary)
     drop[key] = sorted(set(drop.get(key, [])) | set(cursors))
-    rep = cache.setdefault("reposition", [])
-    if boundary not in rep:
-        rep.append(boundary)
+    if reposition:
+        rep = cache.setdefault("reposition", [])
+        if boundary not in rep:
+            rep.append(boundary)
     return cache
 
 

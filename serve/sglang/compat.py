@@ -135,6 +135,8 @@ _MODULES = (
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.allocator",
     "sglang.srt.mem_cache.registry",
+    "sglang.srt.plugins.hook_registry",
+    "sglang.srt.model_executor.forward_batch_info",
 )
 
 

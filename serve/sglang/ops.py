@@ -8,12 +8,17 @@ A request to SGLang's `/generate` (or `sgl.Engine.generate`) carries the convers
 
 or the same object as JSON in `extra_key = "kvsteward:" + json` (for clients that can set `extra_key` but not
 `custom_params`). `input_ids` must be the *physical* token sequence: the tokens still resident after every op, in
-row order (`SglangRequest.physical_ids`). SGLang places token i of a request's KV row at position i
-(`ForwardBatch.init_new`), so the KV SGLang computes for new tokens is exact only if the survivors sit at positions
-0..r-1: **every drop must be followed by a reposition before the next append**, and the history must end with
-appended tokens (the generation prompt) after its last op. A drop whose survivors keep their gapped positions needs
-a per-request position offset in SGLang's forward batch (a `HookRegistry` hook on `ForwardBatch.init_new`), which
-this adapter does not implement; such requests are refused here with a message that says so.
+row order (`SglangRequest.physical_ids`), and the history must end with appended tokens (the generation prompt)
+after its last op (SGLang recomputes at least the last token).
+
+Positions. SGLang computes token i of a request's KV row at position i (`ForwardBatch.init_new`). AKV's ops:
+- `reposition` compacts the survivors to positions 0..r-1 (next position r) — position = row index again;
+- `drop` removes tokens from attention but keeps every survivor's position *and the next position*: after d tokens
+  left the row, row index i is at position i + d. Every history therefore has a **position offset**
+  (`SglangRequest.position_offset`: tokens dropped since the last reposition) that SGLang must add to the position
+  of every token it computes for the request (prefill and decode). The tree records it on its op nodes and sets it
+  on the request (`req.kvsteward_position_offset`); a `HookRegistry` hook on `ForwardBatch.init_new`
+  (`kvsteward.serve.sglang.positions`) adds it to the forward batch's positions.
 
 The history becomes token-level elements, the key of the op-aware tree (`kvsteward.serve.sglang.tree`):
 
@@ -44,6 +49,14 @@ class SglangRequest:
     elements: tuple[Element, ...]
     physical_ids: tuple[int, ...]
     namespace: str | None  # the extra_key left for SGLang's own namespacing (None when it carried the ops)
+    positions: tuple[int, ...] = ()  # the position of each physical token (AKV semantics)
+    next_position: int = 0  # where the next appended token goes
+
+    @property
+    def position_offset(self) -> int:
+        """Position minus row index of every token appended after the history: tokens dropped since the last
+        reposition (0 for histories without a pending drop)."""
+        return self.next_position - len(self.physical_ids)
 
     @property
     def history_key(self) -> str:
@@ -81,34 +94,37 @@ def elements_from_messages(messages: list[tuple[int, ...]], cache: Any) -> tuple
     return tuple(out)
 
 
-def physical_ids(elements: tuple[Element, ...]) -> tuple[int, ...]:
-    """Resident tokens in row order after all elements; refuses histories SGLang cannot place exactly."""
-    row: list[tuple[int, int]] = []  # (logical index, token)
+def layout(elements: tuple[Element, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(physical ids, their positions, next position) after all elements, with AKV's position rules: appended
+    tokens take the next positions; a drop keeps every survivor's position and the next position; a reposition moves
+    survivors to 0..r-1 and the next position to r. Refuses histories SGLang cannot serve."""
+    row: list[tuple[int, int, int]] = []  # (logical index, token, position)
     n_logical = 0
-    compact = True  # positions == row indices (SGLang's rule for the next append)
+    next_pos = 0
     for k, e in enumerate(elements):
         if e[0] == "tokens":
-            if not compact:
-                raise OpsError(f"element {k}: tokens are appended after a drop with no reposition in between; SGLang "
-                               "places a token at its row index, so the survivors' gapped positions would need a "
-                               "per-request position offset, which this adapter does not implement — add a "
-                               "reposition at the same boundary as the drop", "cache")
-            row.extend((n_logical + i, t) for i, t in enumerate(e[1]))
+            row.extend((n_logical + i, t, next_pos + i) for i, t in enumerate(e[1]))
             n_logical += len(e[1])
+            next_pos += len(e[1])
         elif e[0] == "drop":
             gone = set(e[1])
             row = [x for x in row if x[0] not in gone]
-            compact = False
         elif e[0] == "reposition":
             if not row:
                 raise OpsError(f"element {k}: reposition of an empty cache (everything dropped)", "cache")
-            compact = True
+            row = [(lg, t, i) for i, (lg, t, _) in enumerate(row)]
+            next_pos = len(row)
         else:
             raise OpsError(f"element {k}: unknown op {e[0]!r}", "cache")
     if not elements or elements[-1][0] != "tokens":
         raise OpsError("the history must end with appended tokens after its last op (the generation prompt): "
                        "SGLang recomputes at least the last token of a request", "messages")
-    return tuple(t for _, t in row)
+    return tuple(t for _, t, _ in row), tuple(p for _, _, p in row), next_pos
+
+
+def physical_ids(elements: tuple[Element, ...]) -> tuple[int, ...]:
+    """Resident tokens in row order after all elements; refuses histories SGLang cannot serve."""
+    return layout(elements)[0]
 
 
 def parse_spec(spec: Any, namespace: str | None) -> SglangRequest:
@@ -122,7 +138,9 @@ def parse_spec(spec: Any, namespace: str | None) -> SglangRequest:
         raise OpsError(f"{FIELD}.messages must be a non-empty list of token-id lists", f"{FIELD}.messages")
     messages = [_token_list(m, f"{FIELD}.messages[{i}]") for i, m in enumerate(raw)]
     elements = elements_from_messages(messages, spec.get("cache"))
-    return SglangRequest(elements=elements, physical_ids=physical_ids(elements), namespace=namespace)
+    ids, positions, next_position = layout(elements)
+    return SglangRequest(elements=elements, physical_ids=ids, namespace=namespace, positions=positions,
+                         next_position=next_position)
 
 
 def parse_request(custom_params: Any, extra_key: str | None) -> SglangRequest | None:

@@ -9,10 +9,10 @@ i, and SGLang computes token i at position i. Hence:
   float64 angles (`kvsteward.kernels.rope`). In place when the slots are the request's own; as a **position
   version** (new slots, K rotated, V copied) when others may still read the originals — the tree always does this,
   so a cached state is never changed under another request.
-- **drop** only removes entries from a row: the remaining tokens keep their slots (and so their stored positions).
-  The *next* token would then be computed at the row length, not at the history's next position, so a drop is
-  exact in SGLang only when a reposition follows before the next append (`kvsteward.serve.sglang.ops` enforces it;
-  the alternative, a per-request position offset hooked into `ForwardBatch.init_new`, is not implemented).
+- **drop** only removes entries from a row: the remaining tokens keep their slots (and so their stored positions;
+  nothing is re-rotated). The *next* token must go to the history's next position, not to the row length: the
+  request carries the difference (`req.kvsteward_position_offset`, tokens dropped since the last reposition) and
+  the `ForwardBatch.init_new` hook in `kvsteward.serve.sglang.positions` adds it to the forward's positions.
 
 The functions take the pool and allocator by duck type (`k_buffer`, `v_buffer`, `alloc`), so this module does not
 import sglang.

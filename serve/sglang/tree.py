@@ -7,7 +7,11 @@ a drop in one never touches what another matched. Every op node stores the whole
 (`kv_row`, with the `positions` and logical indices of its entries); token nodes below it hold only their own slots.
 
 - drop node: owns no slots; its row is the parent state's row minus the dropped tokens (slots shared with the
-  ancestors, which its existence keeps from eviction: a node with a child is never an evictable leaf).
+  ancestors, which its existence keeps from eviction: a node with a child is never an evictable leaf). The survivors
+  keep their positions and the next position stays the parent state's (`next_position`), so tokens appended below
+  it are computed at row index + `position_offset` (tokens dropped since the last reposition): `match_prefix` sets
+  that offset on the request (`req.kvsteward_position_offset`) and the `ForwardBatch.init_new` hook
+  (`kvsteward.serve.sglang.positions`) applies it.
 - reposition node: a **position version** — owns new slots with K re-rotated to 0..r-1 and V copied; the original
   slots stay, unchanged, for every request that reads the pre-op state.
 
@@ -38,6 +42,7 @@ from kvsteward.kernels.rope import RopeSpec
 from kvsteward.serve.ops import OpsError
 from kvsteward.serve.sglang.ops import SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
+from kvsteward.serve.sglang.positions import OFFSET_ATTR
 
 logger = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -48,9 +53,10 @@ class OpNode(TreeNode):
     eviction accounting, which counts `len(node.key)`, counts exactly the slots this node frees."""
 
     def __init__(self, op: tuple, kv_row: torch.Tensor, positions: torch.Tensor, logical: torch.Tensor,
-                 owned: torch.Tensor):
+                 owned: torch.Tensor, next_position: int):
         super().__init__()
         self.op = op
+        self.next_position = next_position  # where the first token appended below this node goes
         self.op_key = ("kvsteward-op", *op)
         self.kv_row, self.positions, self.logical = kv_row, positions, logical
         self.value = owned
@@ -71,19 +77,25 @@ class _Walk:
     def anchor_len(self) -> int:
         return self.anchor.kv_row.numel() if isinstance(self.anchor, OpNode) else 0
 
+    @property
+    def position_offset(self) -> int:
+        """Position minus row index of every token below the anchor (tokens dropped since the last reposition)."""
+        return self.anchor.next_position - self.anchor_len if isinstance(self.anchor, OpNode) else 0
+
 
 class OpRadixCache(RadixCache):
-    def __init__(self, params: CacheInitParams, rope: RopeSpec | None = None):
+    def __init__(self, params: CacheInitParams, rope: RopeSpec | None = None, plain_drop: bool = True):
         if params.page_size != 1:
             raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
         if params.is_eagle:
             raise ValueError("kvsteward's tree cache does not support EAGLE bigram keys")
         super().__init__(params)
         self.rope = rope
+        self.plain_drop = plain_drop  # position offsets are applied in the forward (a drop needs no reposition)
         self.pool = self.token_to_kv_pool_allocator.get_kvcache() if self.token_to_kv_pool_allocator else None
         if self.pool is not None and rope is not None:
             check_pool(self.pool)
-        self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0}
+        self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0}
         self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is cached
 
     # -- request -> history ------------------------------------------------------------------------------------------
@@ -101,8 +113,14 @@ class OpRadixCache(RadixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         if params.req is not None:  # a re-match (e.g. after retraction) replaces the request's earlier walk
             self._walks.pop(id(params.req), None)
+            setattr(params.req, OFFSET_ATTR, 0)
         hist = self._history(params)
         if self.disable or hist is None:
+            return super().match_prefix(params)
+        if hist.position_offset and not self.plain_drop:
+            self.stats["refused"] += 1
+            logger.warning("kvsteward: a drop without reposition needs the position-offset hook, which this server "
+                           "configuration does not support; serving as plain tokens")
             return super().match_prefix(params)
         tokens = params.key.token_ids
         phys = hist.physical_ids
@@ -112,10 +130,19 @@ class OpRadixCache(RadixCache):
             return super().match_prefix(params)
         walk = self.walk(hist, params.key, limit=len(params.key))
         if not walk.exact:
+            # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
+            # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
             self.stats["reprefill"] += 1
+            return super().match_prefix(params)
+        if walk.position_offset != hist.position_offset:  # the tree's bookkeeping disagrees with the history's
+            self.stats["refused"] += 1
+            logger.error("kvsteward: op path offset %d != history offset %d; serving as plain tokens",
+                         walk.position_offset, hist.position_offset)
             return super().match_prefix(params)
         if params.req is not None:
             self._walks[id(params.req)] = walk
+            setattr(params.req, OFFSET_ATTR, walk.position_offset)
+            self.stats["offset_requests"] += bool(walk.position_offset)
         row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
         return MatchResult(device_indices=row, last_device_node=walk.node, last_host_node=walk.node,
                            best_match_node=walk.node)
@@ -151,32 +178,34 @@ class OpRadixCache(RadixCache):
                         return walk
                 walk.node = walk.anchor = child
                 walk.row = [child.kv_row]
-                if child.kv_row.numel() > limit:
-                    walk.exact = False
-                    return walk
+        # only the final state's row is the request's prefix (an earlier op state may be longer than the request:
+        # drops after it shrink the row)
+        if walk.anchor_len > limit:
+            walk.exact = False
         return walk
 
     # -- ops ---------------------------------------------------------------------------------------------------------
-    def _state(self, walk: _Walk, n_logical: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(row, positions, logical indices) of the state the walk reached: the anchor's row, then token slots at
-        positions (and logical indices) continuing the anchor's."""
+    def _state(self, walk: _Walk, n_logical: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(row, positions, logical indices, next position) of the state the walk reached: the anchor's row, then
+        token slots at positions (and logical indices) continuing from the anchor's next position."""
         anchor = walk.anchor
         row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
         if isinstance(anchor, OpNode):
-            base, pos0, log0 = anchor.kv_row.numel(), anchor.positions, anchor.logical
+            base, pos0, log0, next0 = anchor.kv_row.numel(), anchor.positions, anchor.logical, anchor.next_position
             first_logical = n_logical - (row.numel() - base)
         else:
-            base, pos0, log0, first_logical = 0, _EMPTY, _EMPTY, 0
+            base, pos0, log0, next0, first_logical = 0, _EMPTY, _EMPTY, 0, 0
         extra = row.numel() - base
-        positions = torch.cat([pos0, base + torch.arange(extra, dtype=torch.int64)])
+        positions = torch.cat([pos0, next0 + torch.arange(extra, dtype=torch.int64)])
         logical = torch.cat([log0, first_logical + torch.arange(extra, dtype=torch.int64)])
-        return row, positions, logical
+        return row, positions, logical, next0 + extra
 
     def _materialize(self, walk: _Walk, op: tuple, n_logical: int) -> OpNode | None:
-        row, positions, logical = self._state(walk, n_logical)
+        row, positions, logical, next_position = self._state(walk, n_logical)
         if op[0] == "drop":
             keep = ~torch.isin(logical, torch.tensor(op[1], dtype=torch.int64))
-            node = OpNode(op, row[keep.to(row.device)], positions[keep], logical[keep], _EMPTY.to(self.device))
+            node = OpNode(op, row[keep.to(row.device)], positions[keep], logical[keep], _EMPTY.to(self.device),
+                          next_position)
         elif op[0] == "reposition":
             if self.rope is None or self.pool is None:
                 logger.warning("kvsteward: no RoPE spec / KV pool, cannot reposition")
@@ -184,7 +213,7 @@ class OpRadixCache(RadixCache):
             new = self._alloc_version(walk.node, row, positions)
             if new is None:
                 return None
-            node = OpNode(op, new, torch.arange(row.numel(), dtype=torch.int64), logical, new)
+            node = OpNode(op, new, torch.arange(row.numel(), dtype=torch.int64), logical, new, row.numel())
         else:
             return None
         self._attach(walk.node, node)
@@ -297,7 +326,30 @@ def create_tree_cache(ctx: Any) -> OpRadixCache:
     if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         raise ValueError("--radix-cache-backend kvsteward supports plain MHA models without hierarchical cache "
                          "(no SWA / Mamba / DSA hybrids, no --enable-hierarchical-cache)")
-    return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config))
+    return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config), plain_drop=plain_drop_supported(ctx))
+
+
+def plain_drop_supported(ctx: Any) -> bool:
+    """A drop without reposition needs the `ForwardBatch.init_new` position hook, applied in this process, and a
+    server whose positions all come from `init_new`'s row-index rule (no speculative decoding, dLLM, M-RoPE or
+    decode context parallelism). Otherwise such requests are served as plain tokens (counted as refused)."""
+    from kvsteward.serve.sglang.positions import hook_applied
+
+    args = getattr(ctx, "server_args", None)
+    reasons = []
+    if not hook_applied():
+        reasons.append("the ForwardBatch.init_new position hook is not applied (load the plugin: SGLANG_PLUGINS)")
+    if args is not None and getattr(args, "speculative_algorithm", None):
+        reasons.append("speculative decoding")
+    if args is not None and getattr(args, "dllm_algorithm", None):
+        reasons.append("dLLM")
+    if args is not None and (getattr(args, "dcp_size", 1) or 1) > 1:
+        reasons.append("decode context parallelism")
+    if getattr(ctx.model_config, "model_is_mrope", False):
+        reasons.append("M-RoPE")
+    if reasons:
+        logger.warning("kvsteward: drops without reposition are served as plain tokens: %s", "; ".join(reasons))
+    return not reasons
 
 
 def model_rope_spec(model_config: Any) -> RopeSpec | None:
