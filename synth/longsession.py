@@ -174,9 +174,11 @@ def generate_sessions(tokenizer, n: int, length: int, distances: list[int], seed
     jobs = [(i, d) for i in range(n) for d in distances]
     replays: dict[int, _Replay] = {}
     out = []
+    from rich.console import Console
     from rich.progress import track
 
-    for i, d in (track(jobs, description="generating sessions") if progress else jobs):
+    # stderr: stdout carries the CLI's --json result
+    for i, d in (track(jobs, description="generating sessions", console=Console(stderr=True)) if progress else jobs):
         s = session_seed(seed, i)
         if s not in replays:
             replays = {s: _Replay(filler_stream(tokenizer, s, make_spec(s).secrets(), chunk_tokens))}

@@ -1,0 +1,53 @@
+"""The reviewers' contract: `steward eval longsession ... --json` prints exactly one JSON object on stdout (progress
+and reports go to stderr), with the documented keys; `--sessions-file` scores the same sessions again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from kvsteward.models import load_tokenizer, tiny_model
+
+    tok = load_tokenizer("smollm2")
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=3, vocab=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _steward(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "kvsteward.pipelines.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_json_contract_and_sessions_file(tiny_folder, tmp_path):
+    common = ["eval", "longsession", "--model", str(tiny_folder), "--arms", "h2o,pace", "--budget", "128",
+              "--chunk", "64", "--limit", "512", "--no-code", "--no-mlflow", "--json"]
+    out = tmp_path / "gen"
+    first = _steward(*common, "--length", "1200", "--distances", "300", "--sessions", "1", "--seed", "4",
+                     "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = first.stdout.strip().splitlines()
+    assert len(lines) == 1, first.stdout[:500]  # nothing but the JSON object on stdout
+    result = json.loads(lines[0])
+    assert set(result["arms"]) == {"h2o", "pace"} and set(result["paired"]) == {"pace"}
+    cell = result["arms"]["pace"]["by_distance"]["300"]
+    assert {"forced_acc", "gold_nll", "recall", "residency", "rotary_gap", "n"} <= set(cell)
+    assert cell["n"] == 3 and isinstance(result["arms"]["pace"]["peak_resident_slots"], int)
+    assert {"better", "worse", "tied", "p"} <= set(result["paired"]["pace"])
+    assert (out / "journal.jsonl").exists() and (out / "report.md").exists()
+
+    again = _steward(*common, "--sessions-file", str(out / "sessions.jsonl"), "--out", str(tmp_path / "file"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    replayed = json.loads(again.stdout.strip().splitlines()[-1])
+    for arm in ("h2o", "pace"):  # the same sessions through the same deterministic engine: the same numbers
+        a, b = replayed["arms"][arm]["by_distance"], result["arms"][arm]["by_distance"]
+        assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
