@@ -30,7 +30,6 @@ import torch
 from kvsteward.serve.ops import Op
 
 REPOSITION: Op = ("reposition",)
-_MOVES = ("reposition", "renumber")
 
 
 @dataclass(eq=False)
@@ -61,26 +60,11 @@ def compact_copy(session):
 
 def replay_positions(history: list[dict]) -> tuple[dict[int, int], int]:
     """Physical position of every resident logical token, and the next position, after the engine `history`: the
-    engine's position bookkeeping without any forward (append advances the next position, drop / evict remove,
-    reposition / renumber give the survivors 0..r-1 in logical order)."""
-    pos: dict[int, int] = {}
-    n_logical = next_pos = 0
-    for entry in history:
-        op = entry["op"]
-        if op == "append":
-            c = len(entry["tokens"])
-            pos.update((n_logical + j, next_pos + j) for j in range(c))
-            n_logical += c
-            next_pos += c
-        elif op in ("drop", "evict"):
-            for i in entry["indices"]:
-                pos.pop(i, None)  # a drop may name a token the policy already evicted
-        elif op in _MOVES:
-            pos = {i: p for p, i in enumerate(sorted(pos))}
-            next_pos = len(pos)
-        else:
-            raise ValueError(f"unknown engine history op {op!r}")
-    return pos, next_pos
+    restore planner's metadata-only simulation of the history (no forward)."""
+    from kvsteward.serve.restore import plan_history
+
+    plan = plan_history(history)
+    return dict(zip(plan.resident, plan.final_pos, strict=True)), plan.next_pos
 
 
 def trailing_repositions(history: list[dict]) -> int:
@@ -100,22 +84,24 @@ def unreposition(session, k: int) -> None:
     history never moved a key, as in a fresh build. Raises ValueError (session unchanged) when the history does not
     end in k repositions or the replayed residents differ from the table's.
     """
+    from kvsteward.serve.restore import plan_history
     from kvsteward.serve.session import move_resident
 
     if not 1 <= k <= trailing_repositions(session.history):
         raise ValueError(f"the history does not end in {k} reposition(s)")
     base = session.history[:-k]
-    pos, next_pos = replay_positions(base)
+    plan = plan_history(base)
+    pos = dict(zip(plan.resident, plan.final_pos, strict=True))
     t = session.table
     logical = t.field("logical").tolist()
     if logical != sorted(pos):
         raise ValueError("the replayed history does not give the resident slots of this state")
     new_pos = torch.tensor([pos[i] for i in logical], dtype=torch.long, device=t.device)
     move_resident(t, session.engine.rope, new_pos)
-    if not any(entry["op"] in _MOVES for entry in base):
+    if not plan.renumbers:
         t.ref_k = None  # a fresh build takes reference keys at its first move; p = p_ref here, so K = K_ref exactly
-    session.next_pos = next_pos
-    session.renumbers -= k
+    session.next_pos = plan.next_pos
+    session.renumbers = plan.renumbers
     session.history = list(base)
 
 
@@ -193,9 +179,8 @@ class PrefixCache:
                 return self.lookup(root_key, ops, lock, compatible=False)
             with self._lock:
                 self.compatible_hits += 1
-            counter = getattr(self.metrics, "compatible_hits", None)
-            if counter is not None:
-                counter.inc()
+            if self.metrics is not None:
+                self.metrics.compatible_hits.inc()
         return Match(fork, depth, kind, reps)
 
     # -- insertion and eviction -----------------------------------------------------------------------------------
