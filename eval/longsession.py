@@ -12,7 +12,6 @@ query position, resident slots and KV bytes.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections import defaultdict
@@ -117,9 +116,7 @@ def _score_probe(engine: Engine, s: EngineSession, probe, row: ProbeRow, cfg: Ru
         gold = tok.encode(probe.gold, add_special_tokens=False)
         generated = s.fork().generate(max(cfg.max_fact_tokens, len(gold) + 2), stop_ids=stop)
         row.score = float(scoring.forced_prefix_match(generated, gold, tok))
-        first = s.last_logits[None]
-        rest = s.append(gold, kind="assistant", continue_message=True, logits="all")
-        row.nll = scoring.gold_nll(torch.cat([first, rest[:-1]]), gold)
+        row.nll = scoring.appended_gold_nll(s, gold)
         row.extra["generated"] = tok.decode(generated, skip_special_tokens=True)
         return []  # the gold value is already appended
     limit = cfg.max_recall_tokens if probe.kind == "recall" else cfg.max_code_tokens
@@ -138,11 +135,6 @@ def _score_probe(engine: Engine, s: EngineSession, probe, row: ProbeRow, cfg: Ru
     return [t for t in generated if t not in stop]
 
 
-def _mean(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, int], cfg: RunConfig) -> dict:
     """The benchmark JSON: per arm and distance, plus paired comparisons against the reference arm."""
     by = defaultdict(lambda: defaultdict(list))
@@ -153,11 +145,12 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
         cells = {}
         for d, rs in sorted(by[arm].items()):
             facts = [r for r in rs if r.kind == "fact"]
-            cells[str(d)] = {"forced_acc": _mean([r.score for r in facts]), "gold_nll": _mean([r.nll for r in facts]),
-                             "recall": _mean([r.score for r in rs if r.kind == "recall"]),
-                             "code_acc": _mean([r.score for r in rs if r.kind == "code"]),
-                             "residency": _mean([r.residency for r in facts]),
-                             "rotary_gap": _mean([r.rotary_gap for r in facts]), "n": len(facts)}
+            cells[str(d)] = {"forced_acc": scoring.mean([r.score for r in facts]),
+                             "gold_nll": scoring.mean([r.nll for r in facts]),
+                             "recall": scoring.mean([r.score for r in rs if r.kind == "recall"]),
+                             "code_acc": scoring.mean([r.score for r in rs if r.kind == "code"]),
+                             "residency": scoring.mean([r.residency for r in facts]),
+                             "rotary_gap": scoring.mean([r.rotary_gap for r in facts]), "n": len(facts)}
         arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0)}
     paired = {}
     if cfg.reference in cfg.arms:
@@ -244,9 +237,9 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
                 if journal:
                     _append_journal(journal, cfg, sess, arm, got, wall, peak)
                 if progress:
-                    acc = _mean([r.score for r in got if r.kind == "fact"])
+                    acc = scoring.mean([r.score for r in got if r.kind == "fact"])
                     progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
-                             f"residency={_mean([r.residency for r in got if r.kind == 'fact']):.2f}")
+                             f"residency={scoring.mean([r.residency for r in got if r.kind == 'fact']):.2f}")
             walls[arm] += wall
             peaks[arm] = max(peaks[arm], peak)
             rows += got

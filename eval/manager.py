@@ -20,9 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from kvsteward.eval.scoring import gold_nll, text_prefix_match
+from kvsteward.eval.scoring import appended_gold_nll, mean, text_prefix_match
 from kvsteward.serve.aux import AuxDecision, run_aux
 from kvsteward.serve.engine import Engine
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
@@ -72,10 +70,7 @@ def _final_answer(engine: Engine, s, messages: list[dict], final_message: str, g
     s.append(opener, kind="assistant")
     before = s.resident
     gen = s.fork().generate(max_tokens, stop_ids=engine.stop_ids)
-    gold_ids = tok.encode(gold, add_special_tokens=False)
-    first = s.last_logits[None]
-    rest = s.append(gold_ids, kind="assistant", continue_message=True, logits="all")
-    nll = gold_nll(torch.cat([first, rest[:-1]]), gold_ids)
+    nll = appended_gold_nll(s, tok.encode(gold, add_special_tokens=False))
     return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), nll, _kv_reads(before, len(gen))
 
 
@@ -149,10 +144,6 @@ def _planner(engine: Engine, use_adapter: bool, max_tokens: int) -> Callable:
     return plan
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def _ratio(a: int, b: int) -> float:
     return a / b if b else float("nan")
 
@@ -165,8 +156,8 @@ def summarize(t: Tally, ref: Tally) -> dict:
            "peak_tokens_reduction": 1 - sum(t.peak) / sum(ref.peak),
            "kv_reads_reduction": 1 - sum(t.kv_reads) / sum(ref.kv_reads),
            "answer_acc": sum(t.correct) / len(t.correct), "answer_acc_delta": (sum(t.correct) - sum(ref.correct))
-           / len(t.correct), "answer_nll": _mean(t.answer_nll),
-           "answer_nll_delta": _mean(t.answer_nll) - _mean(ref.answer_nll), "aux_calls": t.calls,
+           / len(t.correct), "answer_nll": mean(t.answer_nll),
+           "answer_nll_delta": mean(t.answer_nll) - mean(ref.answer_nll), "aux_calls": t.calls,
            "deleted": t.deleted, "harmful": t.harmful}
     if t.plan_calls:
         out.update({"plan_edge_recall": _ratio(t.plan_tp, t.plan_tp + t.plan_fn),
@@ -194,7 +185,7 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
                 f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
     ref = tallies["uncompressed"]
     return {**{arm: summarize(tallies[arm], ref) for arm in arms},
-            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": _mean(ref.answer_nll),
+            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
                              "peak_tokens": sum(ref.peak),
                              "kv_reads": sum(ref.kv_reads)},
             "n_traces": len(traces), "every": every}

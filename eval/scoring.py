@@ -70,6 +70,20 @@ def gold_nll(logits: torch.Tensor, gold_ids: Sequence[int]) -> float:
 # ---------------------------------------------------------------------------------------------- recall
 
 
+def appended_gold_nll(session, gold_ids: Sequence[int]) -> float:
+    """Teacher-force `gold_ids` onto `session` (they stay appended, as assistant text continuing the open message)
+    and return their mean NLL: the logits after the prefix predict the first token, each gold token the next."""
+    first = session.last_logits[None]
+    rest = session.append(list(gold_ids), kind="assistant", continue_message=True, logits="all")
+    return gold_nll(torch.cat([first, rest[:-1]]), gold_ids)
+
+
+def mean(xs: Sequence[float]) -> float:
+    """Mean of the non-NaN values (NaN if there are none)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def _fold(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[_\-]", " ", text.casefold())).strip()
 

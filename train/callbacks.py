@@ -43,7 +43,6 @@ class WallClockBudget(TrainerCallback):
     def __init__(self, minutes: float):
         self.seconds = minutes * 60.0
         self.t0: float | None = None
-        self.stopped_at: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = _now()
@@ -52,7 +51,6 @@ class WallClockBudget(TrainerCallback):
         if self.t0 is not None and _now() - self.t0 >= self.seconds:
             control.should_training_stop = True
             control.should_save = True
-            self.stopped_at = state.global_step
 
 
 class RichProgress(TrainerCallback):
