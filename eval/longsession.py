@@ -175,6 +175,31 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
 JOURNAL = "journal.jsonl"
 
 
+def shard_journal(index: int, count: int) -> str:
+    """The journal file of shard `index` of `count` (shards of one sweep write separate files in the same folder,
+    so concurrent processes never interleave writes; every run reads all of them)."""
+    return f"journal.shard-{index}-of-{count}.jsonl"
+
+
+def shard(sessions: list[Session], index: int, count: int) -> list[Session]:
+    """Sessions `index`, `index + count`, ... (every session is in exactly one shard)."""
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"shard must be I/N with 0 <= I < N, got {index}/{count}")
+    return sessions[index::count]
+
+
+def read_journals(journal: Path, cfg: RunConfig) -> dict[tuple[str, str], dict]:
+    """Finished pairs from `journal` and, when it is a sweep journal (`journal*.jsonl`), from the other journals of
+    its folder (`journal.jsonl` and the shard journals)."""
+    paths = {journal}
+    if journal.name.startswith("journal") and journal.parent.exists():
+        paths |= set(journal.parent.glob("journal*.jsonl"))
+    done: dict[tuple[str, str], dict] = {}
+    for path in sorted(paths):
+        done |= read_journal(path, cfg)
+    return done
+
+
 def _journal_key(cfg: RunConfig) -> dict:
     """What a journal line must agree on to be reused (a changed budget or limit is a different experiment)."""
     return {k: v for k, v in cfg.__dict__.items() if k not in ("arms", "reference")}
@@ -218,11 +243,12 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
         play_missing: bool = True) -> dict:
     """Every arm on every session. With `journal`, finished (session, arm) pairs are appended to it as they end
     and pairs already in it are not played again (resume after a crash or a kill; `play_missing=False` only
-    summarizes what the journal holds — a partial sweep)."""
+    summarizes what the journal holds — a partial sweep). Finished pairs are read from every `journal*.jsonl` next
+    to `journal` (shards of the same sweep), new ones are written to `journal` only."""
     rows: list[ProbeRow] = []
     walls: dict[str, float] = defaultdict(float)
     peaks: dict[str, int] = defaultdict(int)
-    done = read_journal(journal, cfg) if journal else {}
+    done = read_journals(journal, cfg) if journal else {}
     for i, sess in enumerate(sessions):
         for arm in cfg.arms:
             if (sess.id, arm) in done:

@@ -164,6 +164,21 @@ def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = t
 
 
 @bench_app.command()
+def rehydrate(model: str = typer.Option("smollm2", help=MODEL_HELP),
+              span_tokens: int = typer.Option(440, help="tokens of the planned span that is spilled and rehydrated"),
+              budget: int = typer.Option(512), limit: int = typer.Option(2048),
+              valkey_url: str = typer.Option("", help="valkey://host:port/db of a running server (omit: host + disk)"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Tiered rehydration (pace-tiered): time to bring an evicted planned span back from host memory, local disk and
+    Valkey at its reader step, next to that step's forward (same run)."""
+    from kvsteward.serve import checks
+
+    eng = _engine(model)
+    _emit(checks.bench_rehydrate(eng, span_tokens, budget=budget, limit=limit, valkey_url=valkey_url or None),
+          as_json)
+
+
+@bench_app.command()
 def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
         adapter: str = typer.Option("", help="PEFT LoRA folder of the memory manager (omit: the base model)"),
         turns: int = typer.Option(12, help="turns of the agent session (turn 0 + one per tool response)"),

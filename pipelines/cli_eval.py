@@ -23,7 +23,7 @@ def _ints(text: str) -> list[int]:
 def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
                 arms: str = typer.Option("h2o,retention-only,positions-only,pace",
                                          help="comma-separated arms: full, streaming, h2o, snapkv, tova, "
-                                              "positions-only, retention-only, pace, akv-rolling"),
+                                              "positions-only, retention-only, pace, pace-tiered, akv-rolling"),
                 length: int = typer.Option(16384, help="session length in tokens (context before the probes)"),
                 distances: str = typer.Option("1024,8192,15000", help="definition → probe distances in tokens"),
                 budget: int = typer.Option(512, help="B: resident slots after each chunk"),
@@ -33,6 +33,8 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 seed: int = typer.Option(7),
                 sessions_file: Path | None = typer.Option(None, help="score the sessions in this JSONL file instead "
                                                                       "(schema: docs/sessions-schema.md)"),
+                shard_of: str = typer.Option("", "--shard", help="I/N: play only sessions I, I+N, ... (run N "
+                                             "processes with the same --out, then --report-only for the whole sweep)"),
                 code: bool = typer.Option(True, help="run the code probes (slow; near zero on a 135M model)"),
                 out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
                 mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
@@ -43,7 +45,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
 
     Each finished (session, arm) pair is appended to OUT/journal.jsonl; running the same command again resumes
     (finished pairs are not played again)."""
-    from kvsteward.eval.longsession import JOURNAL, RunConfig, run
+    from kvsteward.eval.longsession import JOURNAL, RunConfig, run, shard, shard_journal
     from kvsteward.eval.report import log_to_mlflow, write_report
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.policies import ARMS
@@ -60,11 +62,23 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
         sess = read_jsonl(sessions_file, engine.tokenizer)
     else:
         sess = generate_sessions(engine.tokenizer, sessions, length, _ints(distances), seed, progress=True)
+    journal = out / JOURNAL
+    if shard_of:
+        parts = shard_of.split("/")
+        if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+            raise typer.BadParameter(f"--shard must be I/N (e.g. 0/2), got {shard_of!r}")
+        index, count = int(parts[0]), int(parts[1])
+        try:
+            sess = shard(sess, index, count)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+        journal = out / shard_journal(index, count)
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(sess, out / "sessions.jsonl")
+    if not shard_of:  # shards share the folder: only the whole sweep writes its session file
+        write_jsonl(sess, out / "sessions.jsonl")
     cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code)
     try:
-        result = run(engine, sess, cfg, progress=console.log, journal=out / JOURNAL, play_missing=not report_only)
+        result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e

@@ -42,6 +42,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
           valkey_url: str = typer.Option(None, help="valkey://host:port/db: a remote tier below disk"),
+          spill_tier: str = typer.Option("host", help="where pace-tiered sessions keep evicted planned spans until "
+                                                      "their reader step: host | disk | valkey (needs --valkey-url)"),
           log_level: str = typer.Option("info", help="uvicorn log level")) -> None:
     """Load the model once and serve it until interrupted."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,6 +60,9 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
     if aux_every is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-every needs a manager: --adapter DIR (or --aux-base for the base model)")
+    if spill_tier not in ("host", "disk", "valkey") or (spill_tier == "valkey" and not valkey_url):
+        raise typer.BadParameter(f"--spill-tier must be host, disk or valkey (valkey needs --valkey-url), "
+                                 f"got {spill_tier!r}")
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
@@ -77,7 +82,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     config = ServerConfig(model_name=model, defaults=defaults, cache_bytes=cache_bytes, session_bytes=session_bytes,
                           max_body_bytes=max_body_bytes, limits=ServeLimits(max_tokens, max_tokens_limit),
                           data_dir=data_dir, aux=aux, tiers=tiers, host_tier_bytes=host_tier_bytes,
-                          disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url)
+                          disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url, spill_tier=spill_tier)
     console.log(f"serving {model} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
                 f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'}"
                 f"{' + planner' if aux is not None and aux.plan else ''})")

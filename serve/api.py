@@ -44,6 +44,35 @@ class ServerConfig:
     host_tier_bytes: int = 2 << 30  # snapshots in host memory (older ones move to disk beyond)
     disk_tier_bytes: int | None = 64 << 30  # snapshots in <data_dir>/tiers (None: unbounded; beyond: Valkey/delete)
     valkey_url: str | None = None  # a Valkey/Redis tier below disk (unbounded here: Valkey's maxmemory rules)
+    spill_tier: str = "host"  # where tiered arms (pace-tiered) keep evicted planned spans: host | disk | valkey
+
+
+def make_spill(config: ServerConfig, root: Path, metrics):
+    """The spill store of tiered arms, in the configured tier; blobs a previous run left on disk are orphans (their
+    sessions rebuild by replay, which spills again) and are removed."""
+    from kvsteward.serve.spill import SpillStore
+    from kvsteward.serve.tiers import DiskTier, HostTier, ValkeyTier
+
+    if config.spill_tier == "host":
+        tier = HostTier()
+    elif config.spill_tier == "disk":
+        tier = DiskTier(root / "spill")
+        for path in list(tier.root.glob("*.kvstate")) + list(tier.root.glob("*.tmp")):
+            path.unlink(missing_ok=True)
+    elif config.spill_tier == "valkey":
+        if not config.valkey_url:
+            raise ValueError("spill tier 'valkey' needs a valkey_url")
+        tier = ValkeyTier(config.valkey_url, prefix="kvsteward:spill:")
+    else:
+        raise ValueError(f"unknown spill tier {config.spill_tier!r}: host, disk or valkey")
+
+    def observed(tier_name: str, seconds: float, tokens: int) -> None:
+        metrics.rehydrated_tokens.inc(tokens)
+        metrics.rehydrate_seconds.labels(tier_name).observe(seconds)
+
+    store = SpillStore(tier, on_fetch=observed)
+    metrics.spill_bytes.set_function(lambda: store.stats.bytes_held)
+    return store
 
 
 def make_tiers(config: ServerConfig, root: Path, metrics, known: set[str]):
@@ -177,9 +206,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         raise ValueError("the aux thread is set to use the LoRA adapter, but the engine has none (load one with "
                          "Engine.load(..., adapter=DIR), or set use_adapter=False for the base model)")
     metrics = Metrics()
+    root = Path(config.data_dir) if config.data_dir is not None else data_dir()
+    engine.spill = make_spill(config, root, metrics)
     lock = Scheduler()
     chat = ChatService(engine, config.defaults, config.cache_bytes, config.limits, metrics, lock, config.checkpoints)
-    root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     store = SessionStore(root / "sessions", engine, config.defaults, lock, metrics, config.session_bytes,
                          config.limits, aux=config.aux)
     if config.tiers:

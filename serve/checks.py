@@ -178,6 +178,54 @@ def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: in
     return out
 
 
+def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int = 6, budget: int = 512,
+                    chunk: int = 512, limit: int = 2048, disk_dir: str | None = None, valkey_url: str | None = None,
+                    repeats: int = 3) -> dict:
+    """Tiered rehydration cost per tier, same run: a pace-tiered session with two planned spans that do not fit B
+    together (span A read at the last step, span B at a middle one), so A is spilled and comes back at its reader.
+    Reports the rehydration time (fetch + re-insert) per tier and the reader step's own forward for scale; the
+    sessions in every tier must end in the same state (equal history keys)."""
+    import tempfile
+
+    from kvsteward.serve.spill import SpillStore
+    from kvsteward.serve.tiers import DiskTier, HostTier, ValkeyTier
+
+    msgs = [_tokens(span_tokens, engine.vocab_size, 11), _tokens(span_tokens, engine.vocab_size, 12)]
+    msgs += [_tokens(chunk, engine.vocab_size, 20 + i) for i in range(filler_messages)] + [[7, 8, 9]]
+    last = len(msgs) - 1
+    blueprint = [{"span": [0, span_tokens], "readers": [last]},
+                 {"span": [span_tokens, 2 * span_tokens], "readers": [2 + filler_messages // 2]}]
+    tiers = [HostTier(), DiskTier(disk_dir or tempfile.mkdtemp(prefix="kvsteward-spill-"))]
+    if valkey_url:
+        tiers.append(ValkeyTier(valkey_url, prefix="kvsteward:spill:"))
+    out: dict = {"span_tokens": span_tokens, "budget": budget, "limit": limit}
+    keys = set()
+    for tier in tiers:
+        best, forward = float("inf"), float("inf")
+        for _ in range(repeats):
+            seen: list[tuple[float, int]] = []
+            store = SpillStore(tier, on_fetch=lambda name, sec, n, seen=seen: seen.append((sec, n)))
+            engine.spill = store
+            s = engine.session("pace-tiered", budget=budget, chunk=chunk, limit=limit, blueprint=blueprint)
+            for m in msgs[:-1]:
+                s.append(m, logits=None)
+            out["spilled_bytes"] = store.stats.bytes_held
+            t0 = time.perf_counter()
+            s.append(msgs[-1], logits="last")
+            step = time.perf_counter() - t0
+            if not seen:
+                raise RuntimeError("span A was never rehydrated: raise span_tokens or lower the budget")
+            best = min(best, seen[0][0])
+            forward = min(forward, step - seen[0][0])
+            out["rehydrated_tokens"] = seen[0][1]
+            keys.add(s.history_key())
+        out[f"{tier.name}_s"] = best
+        out[f"{tier.name}_step_forward_s"] = forward
+    if len(keys) != 1:
+        raise RuntimeError("the tiers ended in different states")
+    return out
+
+
 def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5, max_tokens: int = 16,
               aux_max_tokens: int = 24, use_adapter: bool | None = None, seed: int = 0, data_dir: str | None = None,
               progress: Progress | None = None) -> dict:

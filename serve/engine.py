@@ -7,8 +7,9 @@ from contextlib import nullcontext
 import torch
 
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.policies import ARMS, POLICIES, get_policy
+from kvsteward.serve.policies import ARMS, POLICIES, TIERED_ARMS, get_policy
 from kvsteward.serve.session import Session, SessionConfig
+from kvsteward.serve.spill import SpillStore, host_store
 
 
 class Engine:
@@ -28,6 +29,18 @@ class Engine:
         self.rope = rope_spec(cfg)  # raises UnsupportedRope for types a static re-rotation cannot make exact
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        self._spill: SpillStore | None = None
+
+    @property
+    def spill(self) -> SpillStore:
+        """Where tiered arms keep evicted planned KV (host memory unless set, e.g. by the server to disk / Valkey)."""
+        if self._spill is None:
+            self._spill = host_store()
+        return self._spill
+
+    @spill.setter
+    def spill(self, store: SpillStore) -> None:
+        self._spill = store
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -57,7 +70,8 @@ class Engine:
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:
         """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
-        (positions-only, retention-only, pace: the arm fixes the position mode; bounded arms need `limit`)."""
+        (positions-only, retention-only, pace, pace-tiered: the arm fixes the position mode; bounded arms need
+        `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them)."""
         name = policy
         if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]
@@ -73,7 +87,7 @@ class Engine:
         else:
             spans = parse_blueprint(blueprint)
         cfg = SessionConfig(policy=pol, budget=budget if pol.evicts else None, chunk=chunk, limit=limit,
-                            blueprint=spans)
+                            blueprint=spans, spill=self.spill if policy in TIERED_ARMS else None)
         return Session(self, cfg)
 
     def kv_bytes_per_token(self) -> int:

@@ -68,6 +68,13 @@ class Metrics:
         self.tier_stale = Counter(p + "tier_stale_total",
                                   "Tier copies discarded because they did not match the persisted history",
                                   registry=r)
+        # tiered rehydration of planned spans (pace-tiered sessions)
+        self.rehydrated_tokens = Counter(p + "rehydrated_tokens_total",
+                                         "Evicted planned tokens brought back from the spill tier at their reader step",
+                                         registry=r)
+        self.rehydrate_seconds = Histogram(p + "rehydrate_seconds", "Time to fetch and re-insert one rehydration",
+                                           ["tier"], buckets=(0.0005, 0.001, 0.0025) + LATENCY_BUCKETS, registry=r)
+        self.spill_bytes = Gauge(p + "spill_bytes", "Bytes of evicted planned KV held in the spill tier", registry=r)
         self.aux_plan = SimpleNamespace(  # the learned planner (`--aux-plan`)
             decisions=Counter(p + "aux_plan_decisions_total", "Aux `Planning mode` runs that ended (valid or not)",
                               registry=r),

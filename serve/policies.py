@@ -111,7 +111,10 @@ ARMS: dict[str, tuple[str, bool]] = {
     "positions-only": ("h2o", True),
     "retention-only": ("foresight", False),
     "pace": ("foresight", True),
+    "pace-tiered": ("foresight", True),
 }
+# Arms whose evicted planned spans go to a storage tier and are rehydrated when their reader step opens.
+TIERED_ARMS = frozenset({"pace-tiered"})
 
 
 def get_policy(name: str, **overrides) -> Policy:

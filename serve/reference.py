@@ -28,7 +28,8 @@ def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
 
 
 class ReferenceSession:
-    """Sequential replay of append / drop / reposition on transformers' DynamicCache (no eviction policy)."""
+    """Sequential replay of append / drop / reposition / evict / rehydrate on transformers' DynamicCache (no eviction
+    policy: evictions and rehydrations are taken from the history)."""
 
     def __init__(self, model, inv_freq: torch.Tensor, layout: str = "split_half"):
         self.model, self.inv_freq, self.layout = model, inv_freq, layout
@@ -37,6 +38,7 @@ class ReferenceSession:
         self.positions: list[int] = []
         self.next_pos = 0
         self.n_logical = 0
+        self.evicted: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}  # logical -> (pos, [K, V])
 
     @torch.inference_mode()
     def append(self, tokens: list[int]) -> torch.Tensor:
@@ -61,6 +63,26 @@ class ReferenceSession:
         self.logical = [self.logical[i] for i in keep.tolist()]
         self.positions = [self.positions[i] for i in keep.tolist()]
 
+    def evict(self, indices: list[int]) -> None:
+        """Like drop, but the columns are kept aside (position and per-layer K/V) for a later rehydrate."""
+        where = {lg: i for i, lg in enumerate(self.logical)}
+        for lg in indices:
+            i = where[lg]
+            self.evicted[lg] = (self.positions[i], [(layer.keys[:, :, i].clone(), layer.values[:, :, i].clone())
+                                                    for layer in self._layers()])
+        self.drop(indices)
+
+    def rehydrate(self, indices: list[int]) -> None:
+        """Put evicted columns back, in logical order, with the K/V and position they left with."""
+        for lg in indices:
+            pos, kv = self.evicted.pop(lg)
+            at = sum(1 for x in self.logical if x < lg)
+            for layer, (k, v) in zip(self._layers(), kv, strict=True):
+                layer.keys = torch.cat([layer.keys[:, :, :at], k[:, :, None], layer.keys[:, :, at:]], dim=2)
+                layer.values = torch.cat([layer.values[:, :, :at], v[:, :, None], layer.values[:, :, at:]], dim=2)
+            self.logical.insert(at, lg)
+            self.positions.insert(at, pos)
+
     def reposition(self) -> None:
         r = len(self.logical)
         delta = torch.arange(r) - torch.tensor(self.positions)
@@ -70,14 +92,19 @@ class ReferenceSession:
         self.next_pos = r
 
     def replay(self, history: list[dict]) -> torch.Tensor | None:
-        """Replay an engine op history (evict ≡ drop, renumber ≡ reposition); returns the last append's logits."""
+        """Replay an engine op history (evict = drop keeping the columns aside, rehydrate = put them back,
+        renumber ≡ reposition); returns the last append's logits."""
         logits = None
         for op in history:
             kind = op["op"]
             if kind == "append":
                 logits = self.append(op["tokens"])
-            elif kind in ("drop", "evict"):
+            elif kind == "drop":
                 self.drop(op["indices"])
+            elif kind == "evict":
+                self.evict(op["indices"])
+            elif kind == "rehydrate":
+                self.rehydrate(op["indices"])
             elif kind in ("reposition", "renumber"):
                 self.reposition()
             else:

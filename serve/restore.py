@@ -82,6 +82,10 @@ def plan_history(history: list[dict]) -> Plan:
             resident = [i for i in resident if i not in gone]
             for i in gone:
                 status[i] = 1 if kind == "drop" else 2
+        elif kind == "rehydrate":  # back at the position it left with (pos[i] is untouched while evicted)
+            resident = sorted(resident + list(op["indices"]))
+            for i in op["indices"]:
+                status[i] = 0
         elif kind in ("reposition", "renumber"):
             for r, i in enumerate(resident):
                 pos[i] = r
@@ -137,6 +141,9 @@ def restore(engine, config: SessionConfig, history: list[dict]) -> Session:
     """Rebuild a session from its op history with one model forward (segment-batch attention)."""
     if config.policy.score_mode == "window":
         raise ValueError(f"policy {config.policy.name!r} keeps a window vote that a restore cannot reproduce")
+    if config.spill is not None:
+        raise ValueError("a session with a spill store keeps evicted planned KV in a tier that a one-forward restore "
+                         "does not refill: rebuild it by replaying its ops")
     plan = plan_history(history)
     s = Session(engine, config)
     t = s.table

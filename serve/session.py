@@ -7,6 +7,11 @@ Operations (each appended to `history`, which is the state's identity — AKV Fi
   the next position is not reduced.
 - `reposition()`: survivors take positions 0..r-1 in logical order (K' = R(p') R(p)^-1 K, V unchanged); next at r.
 - bounded positions (limit L): before a chunk would reach L, resident slots are renumbered the same way (`renumber`).
+- tiered rehydration (a spill store, `serve/spill.py`): evicted tokens of planned spans with a reader still ahead are
+  kept in a storage tier; when a step that reads a span opens, the policy first evicts to B − m (so resident never
+  exceeds B), then the span's m evicted tokens come back (`rehydrate`) with the K/V and position they had when they
+  left, and — bounded positions, or positions no longer in logical order after a reposition — the residents are
+  renumbered.
 
 Every operation validates its input first and either applies completely or raises leaving the session unchanged.
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +31,7 @@ from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
 from kvsteward.serve.blueprint import PlannedSpan
 from kvsteward.serve.policies import Policy, SlotView, select_keep
 from kvsteward.serve.slots import SlotTable
+from kvsteward.serve.spill import SpillError, SpillStore, pack_rows
 
 RESIDENT, DROPPED, EVICTED = 0, 1, 2
 
@@ -40,6 +48,7 @@ class SessionConfig:
     limit: int | None = None  # L: bounded positions (None = unbounded)
     blueprint: list[PlannedSpan] = field(default_factory=list)
     use_adapter: bool = False  # run with the engine's LoRA adapter on (the aux thread); main threads run the base
+    spill: SpillStore | None = None  # tiered rehydration of planned spans (None: evicted means gone)
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -48,6 +57,8 @@ class SessionConfig:
             raise CacheOpError(f"policy {self.policy.name!r} evicts: it needs a budget")
         if self.budget is not None and self.budget < 1:
             raise CacheOpError(f"budget must be >= 1, got {self.budget}")
+        if self.spill is not None and not self.policy.evicts:
+            raise CacheOpError("a spill store needs an evicting policy: nothing is ever evicted to rehydrate")
         if self.limit is not None:
             if not self.policy.evicts or self.budget is None:
                 raise CacheOpError("bounded positions need an evicting policy with a budget (resident must stay < L)")
@@ -88,6 +99,13 @@ class Session:
         self.last_logits: torch.Tensor | None = None
         self.peak_resident = 0
         self.renumbers = 0
+        self.spilled: dict[int, str] = {}  # evicted planned logical index -> blob key in config.spill
+        self._track_spill()
+
+    def _track_spill(self) -> None:
+        # The blobs this session points at lose its references when it is garbage-collected (forks share blobs).
+        if self.config.spill is not None:
+            weakref.finalize(self, _release_all, self.config.spill, self.spilled)
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -120,6 +138,8 @@ class Session:
         if continue_message and self.current_step < 0:
             raise CacheOpError("continue_message=True but no message has been appended yet")
         if not continue_message:
+            if self.config.spill is not None:
+                self._rehydrate_for(self.n_messages)  # before the step opens: a failed fetch changes nothing
             self.current_step = self.n_messages
             self.n_messages += 1
             if kind == "tool":
@@ -157,6 +177,7 @@ class Session:
         self.table.keep(torch.nonzero(~gone).view(-1))
         for i in idx:
             self.status[i] = DROPPED
+        self._unspill([i for i in idx if i in self.spilled])  # a drop is final, even for a spilled token
         self.history.append({"op": "drop", "indices": idx})
 
     def reposition(self) -> None:
@@ -245,8 +266,8 @@ class Session:
                         current_step=self.current_step, n_logical=self.n_logical,
                         blueprint=self.config.blueprint, tool_steps=self.tool_steps)
 
-    def _evict(self) -> None:
-        policy, budget = self.config.policy, self.config.budget
+    def _evict(self, budget: int | None = None) -> None:
+        policy, budget = self.config.policy, self.config.budget if budget is None else budget
         if not policy.evicts or budget is None:
             return
         view = self._view()
@@ -258,6 +279,8 @@ class Session:
         evicted = view.logical[~kept].tolist()
         for i in evicted:
             self.status[i] = EVICTED
+        if self.config.spill is not None:
+            self._spill(torch.nonzero(~kept).view(-1), view)
         self.table.keep(keep)
         self.history.append({"op": "evict", "indices": evicted})
 
@@ -271,7 +294,77 @@ class Session:
         other.status = bytearray(self.status)
         other.history = list(self.history)
         other.tool_steps = list(self.tool_steps)
+        other.spilled = dict(self.spilled)
+        if self.config.spill is not None:
+            self.config.spill.retain(other.spilled.values())
+            other._track_spill()
         return other
+
+    # -- tiered rehydration ---------------------------------------------------------------------------------------
+    def _spill(self, rows: torch.Tensor, view: SlotView) -> None:
+        """Keep the evicted slots `rows` that a planned span still needs (a reader at or after this step)."""
+        planned = self._planned_mask(view.logical[rows], self.current_step)
+        rows = rows[planned]
+        if rows.numel():
+            key = self.config.spill.put(pack_rows(self.table, rows), refs=rows.numel())
+            for i in view.logical[rows].tolist():
+                self.spilled[i] = key
+
+    def _planned_mask(self, logical: torch.Tensor, step: int) -> torch.Tensor:
+        mask = torch.zeros(logical.shape, dtype=torch.bool)
+        for span in self.config.blueprint:
+            if span.next_reader(step) is not None:
+                mask |= (logical >= span.start) & (logical < span.end)
+        return mask
+
+    def _rehydrate_for(self, step: int) -> None:
+        """Bring back the spilled tokens of every span that `step` reads; forget those no reader will ask for."""
+        stale = [i for i, m in zip(self.spilled, self._planned_mask(torch.tensor(list(self.spilled)), step).tolist(),
+                                   strict=True) if not m] if self.spilled else []
+        self._unspill(stale)
+        wanted = sorted(i for span in self.config.blueprint if step in span.readers
+                        for i in range(span.start, min(span.end, self.n_logical)) if i in self.spilled)
+        policy, budget = self.config.policy, self.config.budget
+        wanted = wanted[: max(0, budget - policy.sinks - policy.recent)]  # what fits beside the protected slots
+        if not wanted:
+            return
+        t0 = time.perf_counter()
+        keys = sorted({self.spilled[i] for i in wanted})
+        blobs = self.config.spill.fetch(keys)  # may raise SpillError: nothing has changed yet
+        want = torch.tensor(wanted, dtype=torch.long)
+        picked = []
+        for key in keys:  # check every blob before the table changes
+            rows = blobs[key]
+            pick = torch.isin(rows["meta.logical"], want)
+            if int(pick.sum()) != sum(self.spilled[i] == key for i in wanted):
+                raise SpillError(f"spilled KV {key!r} does not hold the tokens its index names")
+            picked.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
+        saved, self.current_step = self.current_step, step  # make room first (resident never exceeds B): the
+        try:  # scores of the step about to open decide, so spans it reads outrank the rest
+            self._evict(budget - len(wanted))
+        finally:
+            self.current_step = saved
+        for rows in picked:
+            self.table.insert(rows)
+        for i in wanted:
+            self.status[i] = RESIDENT
+        self._unspill(wanted)
+        self.history.append({"op": "rehydrate", "indices": wanted})
+        self.config.spill.note_rehydrated(len(wanted), time.perf_counter() - t0)
+        self.peak_resident = max(self.peak_resident, self.table.n)
+        pos = self.table.field("position")
+        if self.config.limit is not None or bool((pos[1:] <= pos[:-1]).any()):
+            self._renumber()
+            self.history.append({"op": "renumber"})
+
+    def _unspill(self, logical: list[int]) -> None:
+        if logical:
+            self.config.spill.release([self.spilled.pop(i) for i in logical])
+
+
+def _release_all(store: SpillStore, spilled: dict[int, str]) -> None:
+    store.release(list(spilled.values()))
+    spilled.clear()
 
 
 def move_resident(t: SlotTable, rope, new_pos: torch.Tensor) -> None:

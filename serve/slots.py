@@ -85,6 +85,31 @@ class SlotTable:
             self.meta[name][:m] = self.meta[name][idx]
         self.n = m
 
+    def insert(self, rows: dict[str, torch.Tensor]) -> None:
+        """Add slots packed by `spill.pack_rows` (K, V, optional fp32 reference K, metadata) and restore logical order.
+
+        A table that has reference keys takes the rows' own reference keys, or — rows spilled before the table's first
+        renumber — their keys as stored, at their stored positions (what `ensure_reference` would have taken)."""
+        m = rows["meta.logical"].numel()
+        if m == 0:
+            return
+        self.reserve(m)
+        s = slice(self.n, self.n + m)
+        for layer in range(self.n_layers):
+            self.k[layer][:, s] = rows[f"k.{layer}"].to(self.device)
+            self.v[layer][:, s] = rows[f"v.{layer}"].to(self.device)
+        for name in META_FIELDS:
+            self.meta[name][s] = rows[f"meta.{name}"].to(self.device)
+        if self.ref_k is not None:
+            has_ref = "ref_k.0" in rows
+            for layer in range(self.n_layers):
+                self.ref_k[layer][:, s] = (rows[f"ref_k.{layer}"] if has_ref else rows[f"k.{layer}"].float()).to(
+                    self.device)
+            if not has_ref:
+                self.meta["ref_pos"][s] = self.meta["position"][s]
+        self.n += m
+        self.keep(torch.argsort(self.field("logical")))
+
     def ensure_reference(self) -> None:
         """Take the fp32 reference keys at the first renumber (keys as stored, at their current positions)."""
         if self.ref_k is None:

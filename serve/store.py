@@ -4,6 +4,8 @@ Log lines (`<data>/sessions/<id>.jsonl`):
     {"type": "create", "v": 1, "id", "created", "spec": {...}, "tools": [...] | null}
     {"type": "turn", "turn": k, "messages": [new messages, the generated reply included], "cache": {...},
      "ops": [the engine history entries this turn added], "reply": {...} | null}
+    {"type": "aux", "turn": k, "pending": {...}}   an aux decision made after turn k-1, applied by turn k (if the
+                                                   last line, it is pending: a restart applies it at the next turn)
 
 A session is rebuilt by replaying the persisted engine ops in order (appends with their exact chunks and steps,
 drops, repositions; evictions and renumbers happen again by themselves) — the same forwards in the same order, so
@@ -130,7 +132,8 @@ def model_fingerprint(engine) -> str:
 
 # -- replay ---------------------------------------------------------------------------------------------------------
 def replay(session, ops: list[dict]) -> None:
-    """Re-run persisted engine history entries on `session` (evict / renumber are re-derived, not replayed)."""
+    """Re-run persisted engine history entries on `session` (evict / renumber / rehydrate are re-derived by the
+    session's own policy, not replayed)."""
     for op in ops:
         kind = op["op"]
         if kind == "append":
@@ -142,8 +145,13 @@ def replay(session, ops: list[dict]) -> None:
             session.drop(op["indices"])
         elif kind == "reposition":
             session.reposition()
-        elif kind not in ("evict", "renumber"):
+        elif kind not in ("evict", "renumber", "rehydrate"):
             raise RebuildError(f"unknown op {kind!r} in the log")
+
+
+def _turn_records(records: list[dict]) -> list[dict]:
+    """The turn records of a log (after the create record; aux decision records are not turns)."""
+    return [r for r in records[1:] if r.get("type") == "turn"]
 
 
 def message_ranges_of(history: list[dict]) -> list[tuple[int, int]]:
@@ -350,7 +358,12 @@ class SessionStore:
         s = head["spec"]
         spec = SessionSpec(policy=s["policy"], budget=s["budget"], limit=s["limit"], chunk=s["chunk"],
                            blueprint=resolve_blueprint(s["blueprint"], None))
-        return Record(sid, spec, head.get("tools"), head["created"], log, pending=records[1:])
+        turns = _turn_records(records)
+        rec = Record(sid, spec, head.get("tools"), head["created"], log, pending=turns)
+        last = records[-1]
+        if last.get("type") == "aux" and last.get("turn") == len(turns):  # decided, not yet applied by a turn
+            rec.aux_pending = last["pending"]
+        return rec
 
     def _restore(self, rec: Record) -> None:
         """Load the session: from the highest storage tier holding a state whose op history is the persisted one,
@@ -384,7 +397,7 @@ class SessionStore:
         t0 = time.perf_counter()
         turns = rec.pending
         if turns is None:
-            turns = rec.log.read()[1:]
+            turns = _turn_records(rec.log.read())
         session = rec.spec.new_session(self.engine)
         for t in turns:
             try:
@@ -535,6 +548,8 @@ class SessionStore:
                                "fork_s": round(job.fork_s, 6), "seconds": round(seconds, 6)}
             if plan is not None:
                 rec.aux_pending["plan"] = plan.as_json()
+            # persisted (fsynced) before anyone can see it: a kill -9 now still applies it at the next turn
+            rec.log.append({"type": "aux", "turn": rec.turns, "pending": rec.aux_pending})
 
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
                stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:

@@ -1,9 +1,10 @@
 """Storage tiers for idle session states: host memory → local disk → Valkey (or Redis).
 
 A state is serialized whole — resident K/V (compacted to the resident slots), the fp32 reference keys, the slot
-metadata, and the op history that defines it — as one safetensors blob (tensors bit for bit; the JSON header carries
-the rest). Every tier stores the same blob under the session's key, so moving a state down or back up never changes
-it; `TieredStore.fetch` reports which tier answered and how long the restore took.
+metadata, the spilled planned KV of a tiered session, and the op history that defines it — as one safetensors blob
+(tensors bit for bit; the JSON header carries the rest). Every tier stores the same blob under the session's key, so
+moving a state down or back up never changes it; `TieredStore.fetch` reports which tier answered and how long the
+restore took. The same tier classes hold the spilled planned KV of tiered sessions (`serve/spill.py`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,26 @@ def snapshot(s: Session) -> bytes:
     tensors |= {f"meta.{name}": t.meta[name][:n].contiguous() for name in META_FIELDS}
     if s.last_logits is not None:
         tensors["last_logits"] = s.last_logits.contiguous()
+    spilled = _spilled_rows(s)
+    tensors |= {f"spill.{name}": x for name, x in spilled.items()}
     header = {"history": s.history, "tokens": s.tokens, "status": list(s.status), "tool_steps": s.tool_steps,
               **{k: getattr(s, k) for k in _SCALARS}}
     return st_save(tensors, metadata={"kvsteward": json.dumps(header)})
+
+
+def _spilled_rows(s: Session) -> dict[str, torch.Tensor]:
+    """The session's spilled planned KV, gathered from its spill store into one set of rows (the snapshot then does
+    not depend on the store, which may be another process's memory)."""
+    if not s.spilled:
+        return {}
+    blobs = s.config.spill.fetch(sorted(set(s.spilled.values())))
+    parts = []
+    for key, rows in blobs.items():
+        mine = torch.tensor([i for i, k in s.spilled.items() if k == key], dtype=torch.long)
+        pick = torch.isin(rows["meta.logical"], mine)
+        parts.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
+    return {name: torch.cat([p[name] for p in parts], dim=1 if parts[0][name].dim() == 3 else 0).contiguous()
+            for name in parts[0]}
 
 
 def load_snapshot(engine, config: SessionConfig, blob: bytes) -> Session:
@@ -65,6 +83,10 @@ def load_snapshot(engine, config: SessionConfig, blob: bytes) -> Session:
     for k in _SCALARS:
         setattr(s, k, header[k])
     s.last_logits = tensors.get("last_logits")
+    spill = {name[len("spill."):]: x for name, x in tensors.items() if name.startswith("spill.")}
+    if spill and config.spill is not None:  # back into this engine's spill store, one blob
+        key = config.spill.put(st_save(spill), refs=spill["meta.logical"].numel())
+        s.spilled.update({int(i): key for i in spill["meta.logical"].tolist()})
     return s
 
 

@@ -66,3 +66,20 @@ def test_journal_from_another_config_is_refused(setup, tmp_path):
         ls.run(engine, sessions, other, journal=journal)
     with pytest.raises(ValueError, match="no finished"):
         ls.run(engine, sessions, cfg, journal=tmp_path / "empty.jsonl", play_missing=False)
+
+
+def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(setup, tmp_path, monkeypatch):
+    engine, sessions, cfg = setup
+    (tmp_path / "one").mkdir()
+    fresh = ls.run(engine, sessions, cfg, journal=tmp_path / "one" / ls.JOURNAL)
+    played = []
+    real_play = ls.play
+    monkeypatch.setattr(ls, "play", lambda e, s, a, c: played.append(s.id) or real_play(e, s, a, c))
+    for i in range(2):
+        ls.run(engine, ls.shard(sessions, i, 2), cfg, journal=tmp_path / ls.shard_journal(i, 2))
+    assert sorted(played) == sorted(s.id for s in sessions for _ in cfg.arms)  # each pair played once, by one shard
+    assert {p.name for p in tmp_path.glob("journal*.jsonl")} == {ls.shard_journal(0, 2), ls.shard_journal(1, 2)}
+    merged = ls.run(engine, sessions, cfg, journal=tmp_path / ls.JOURNAL, play_missing=False)
+    assert _strip(merged) == _strip(fresh) and merged["paired"] == fresh["paired"]
+    with pytest.raises(ValueError, match="shard must be I/N"):
+        ls.shard(sessions, 2, 2)

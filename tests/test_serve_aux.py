@@ -142,7 +142,9 @@ def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tm
     assert state["dropped_messages"] == state["aux_dropped_messages"] == [3, 5, 7, 9]
     assert app.state.metrics.aux_deleted._value.get() == 4 and app.state.metrics.aux_decisions._value.get() == 2
     # the log: the aux drop is the first op of the turn that applied it, and covers exactly the whole messages
-    records = [json.loads(line) for line in (tmp_path / "a" / "sessions" / f"{sid}.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "a" / "sessions" / f"{sid}.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if r["type"] != "aux"]
+    assert sum(json.loads(x)["type"] == "aux" for x in lines) == 2  # each decision was persisted when made
     ranges = _message_ranges(records)
     for r in records[1:]:
         if r.get("aux", {}).get("dropped"):
@@ -165,6 +167,34 @@ def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tm
     assert turn(c2, sid, {"cache": {"drop": {str(state["n_messages"] - 1): [3]}}})["history_key"] == main.history_key()
     r = c2.post(f"/v1/sessions/{sid}/messages", json={"cache": {"drop": {str(state["n_messages"] - 1): [0, 0]}}})
     assert r.status_code == 400
+
+
+def test_a_pending_decision_survives_a_kill(engine, tmp_path):
+    """A decision made after turn 2 and not yet applied is in the log (fsynced): a server started on the same data
+    (the first one killed: nothing closed) applies it at the next turn exactly as an uninterrupted server does."""
+    ref = make_app(engine, tmp_path / "ref")
+    c = TestClient(ref)
+    rsid = c.post("/v1/sessions", json={}).json()["id"]
+    for body in TURNS[:3]:
+        turn(c, rsid, body)
+    assert ref.state.store.worker.wait_idle(60)
+    want = turn(c, rsid, TURNS[3])
+
+    app = make_app(engine, tmp_path / "a")
+    c = TestClient(app)
+    sid = c.post("/v1/sessions", json={}).json()["id"]
+    for body in TURNS[:3]:
+        turn(c, sid, body)
+    assert app.state.store.worker.wait_idle(60) and live(app, sid).aux_pending is not None
+    last = json.loads((tmp_path / "a" / "sessions" / f"{sid}.jsonl").read_text().splitlines()[-1])
+    assert last["type"] == "aux" and last["turn"] == 3 and last["pending"]["del_cursors"] == [3, 5]
+    again = TestClient(make_app(engine, tmp_path / "a", tiers=False))  # no close: as after kill -9
+    assert again.get(f"/v1/sessions/{sid}").json()["aux_pending"] is True
+    got = turn(again, sid, TURNS[3])
+    assert got["aux"]["dropped"] == want["aux"]["dropped"] == [3, 5]
+    assert got["history_key"] == want["history_key"] and got["reply"] == want["reply"]
+    assert TestClient(make_app(engine, tmp_path / "a", tiers=False)).get(f"/v1/sessions/{sid}").json()[
+        "aux_pending"] is False  # applied and persisted with turn 3: never applied twice
 
 
 def test_fork_mid_turn_right_after_the_tool_message(engine, tmp_path):

@@ -84,7 +84,9 @@ def play(app, spec: dict, turns: list[dict]) -> tuple[str, list[dict]]:
 
 
 def records(path, sid) -> list[dict]:
-    return [json.loads(line) for line in (path / "sessions" / f"{sid}.jsonl").read_text().splitlines()]
+    """The create and turn records of a session log (aux decision records left out)."""
+    lines = (path / "sessions" / f"{sid}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] != "aux"]
 
 
 def counters(app) -> tuple[float, float, float]:

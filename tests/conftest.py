@@ -1,0 +1,37 @@
+"""Shared fixtures: a real Valkey (or Redis) server for the tier tests."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def valkey_url(tmp_path_factory):
+    """A real Valkey (or Redis, where Debian has no valkey) server on loopback, started for these tests."""
+    binary = shutil.which("valkey-server") or shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no valkey-server / redis-server binary (.ci/run installs one)")
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("valkey"))], stdout=subprocess.DEVNULL)
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"valkey://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
