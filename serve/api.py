@@ -208,7 +208,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     metrics = Metrics()
     root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     engine.spill = make_spill(config, root, metrics)
-    lock = Scheduler()
+    lock = Scheduler(max_aux_wait=None if config.aux is None else config.aux.max_wait)
     chat = ChatService(engine, config.defaults, config.cache_bytes, config.limits, metrics, lock, config.checkpoints)
     store = SessionStore(root / "sessions", engine, config.defaults, lock, metrics, config.session_bytes,
                          config.limits, aux=config.aux)

@@ -428,18 +428,28 @@ class Scheduler:
     worker starts no forward (`aux_step` waits), so a main request is delayed by at most the one aux forward already
     running when it arrived. The model is one: the lock serializes every forward, which also makes the global PEFT
     adapter toggle (on only inside an aux forward) safe.
+
+    Under traffic that never pauses the aux thread would never run. `max_aux_wait` (seconds, None = never) bounds
+    that: an aux step that has waited that long for main work takes the lock at the end of the current main forward
+    (main forwards queued after it wait for that one aux forward), then waits again from zero. So the aux gets at
+    least one forward per `max_aux_wait` seconds, and main work pays at most one aux forward per `max_aux_wait`.
     """
 
-    def __init__(self, trace: bool = False):
+    def __init__(self, trace: bool = False, max_aux_wait: float | None = None):
+        if max_aux_wait is not None and max_aux_wait < 0:
+            raise ValueError(f"max_aux_wait must be >= 0 seconds, got {max_aux_wait}")
         self._cond = threading.Condition()
         self._held = False
         self._main = 0
+        self._aux_due = False  # a starved aux step is next in line for the lock
+        self.max_aux_wait = max_aux_wait
+        self.starved_steps = 0  # aux steps that ran while main work was registered (starvation bound hit)
         self.events: list[tuple[str, float, float]] | None = [] if trace else None  # (who, start, end) per hold
 
     # main side
     def __enter__(self):
         with self._cond:
-            while self._held:
+            while self._held or self._aux_due:
                 self._cond.wait()
             self._held = True
         self._t0 = time.perf_counter()
@@ -488,10 +498,21 @@ class Scheduler:
         """Hold the lock for one aux step, taken only while no main work is registered; yields whether it had to
         wait for main work first (a preemption)."""
         waited = False
+        start = time.monotonic()
         with self._cond:
-            while self._held or self._main:
+            while self._held or (self._main and not self._aux_due):
                 waited = waited or self._main > 0
-                self._cond.wait()
+                if self.max_aux_wait is None or self._aux_due:
+                    self._cond.wait()  # (already due: the running main forward's release wakes us)
+                    continue
+                left = self.max_aux_wait - (time.monotonic() - start)
+                if left <= 0:
+                    self._aux_due = True  # starved: main forwards not yet started now wait for this one step
+                else:
+                    self._cond.wait(timeout=left)
+            if self._aux_due:
+                self._aux_due = False
+                self.starved_steps += self._main > 0
             self._held = True
         self._t0 = time.perf_counter()
         try:
@@ -507,8 +528,11 @@ class AuxConfig:
     use_adapter: bool = True  # False: the base model is the manager (testing, or no adapter trained yet)
     plan: bool = False  # also run `Planning mode` at each fork: its plan becomes the session's blueprint
     plan_max_tokens: int = 128  # decode budget of one `{"plan": [...]}` (running out = a parse failure)
+    max_wait: float | None = None  # starvation bound in seconds (`Scheduler.max_aux_wait`); None: only idle time
 
     def validate(self) -> None:
+        if self.max_wait is not None and self.max_wait < 0:
+            raise ValueError(f"aux max_wait must be >= 0 seconds, got {self.max_wait}")
         if self.every < 1:
             raise ValueError(f"aux every K must be >= 1, got {self.every}")
         if self.max_tokens < 1:

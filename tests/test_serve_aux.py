@@ -316,10 +316,14 @@ def test_serve_cli_aux_flags(tmp_path):
     root.add_typer(cli_serve.app, name="serve")
     root.command()(lambda: None)
     out = CliRunner().invoke(root, ["serve", "--help"])
-    for option in ["--adapter", "--aux-every", "--aux-base", "--valkey-url", "--host-tier-bytes"]:
+    for option in ["--adapter", "--aux-every", "--aux-base", "--valkey-url", "--host-tier-bytes", "--aux-max-wait",
+                   "--spill-tier"]:
         assert option in out.output
-    bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--aux-every", "2"])
-    assert bad.exit_code != 0 and "needs a manager" in bad.output
+    for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"]):
+        bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), *flags])
+        assert bad.exit_code != 0 and "needs a manager" in bad.output
+    bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--spill-tier", "valkey"])
+    assert bad.exit_code != 0 and "--spill-tier must be" in bad.output
 
 
 def test_bench_aux_plumbing(engine):
@@ -368,3 +372,47 @@ def test_adapter_is_on_only_in_aux_forwards(tmp_path):
     assert rec.aux_pending["text"] == with_adapter.text != without.text
     for a, b in zip(got, want, strict=True):  # the main thread never ran the adapter
         assert a["reply"] == b["reply"] and a["history_key"] == b["history_key"]
+
+
+def _traffic(sched, seconds: float, forward_s: float = 0.01) -> tuple[int, list[float]]:
+    """Constant main traffic for `seconds`: one registered request doing back-to-back forwards, while an aux thread
+    asks for steps of the same length. Returns (aux steps run, main forward start gaps)."""
+    import threading
+    import time
+
+    stop = threading.Event()
+    aux_steps = []
+
+    def aux():
+        while not stop.is_set():
+            with sched.aux_step():
+                if stop.is_set():
+                    break
+                time.sleep(forward_s)
+                aux_steps.append(time.monotonic())
+
+    t = threading.Thread(target=aux, daemon=True)
+    starts = []
+    with sched.main():
+        t.start()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with sched:
+                starts.append(time.monotonic())
+                time.sleep(forward_s)
+        stop.set()
+    t.join(timeout=5)
+    return len(aux_steps), [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def test_aux_starvation_bound_under_constant_traffic():
+    from kvsteward.serve.aux import Scheduler
+
+    starved, _ = _traffic(Scheduler(), 0.6)
+    assert starved == 0  # default: the aux runs only in idle time, so constant traffic starves it
+    sched = Scheduler(max_aux_wait=0.1)
+    n, gaps = _traffic(sched, 1.0)
+    assert 4 <= n <= 11 and sched.starved_steps == n  # about one aux forward per 0.1 s, each between main forwards
+    assert sorted(gaps)[len(gaps) // 2] < 0.05  # a typical main forward waited for nothing (at most one aux step)
+    with pytest.raises(ValueError, match="max_aux_wait"):
+        Scheduler(max_aux_wait=-1)
