@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as st_load
@@ -54,7 +54,6 @@ class SpillStats:
     rehydrated_tokens: int = 0
     bytes_held: int = 0
     peak_bytes: int = 0
-    per_fetch: list[float] = field(default_factory=list)
 
 
 class SpillStore:
@@ -125,7 +124,6 @@ class SpillStore:
         with self._lock:
             self.stats.fetches += 1
             self.stats.fetch_seconds += seconds
-            self.stats.per_fetch.append(seconds)
         return out
 
     def note_rehydrated(self, tokens: int, seconds: float) -> None:

@@ -72,10 +72,10 @@ class Req:
 class Server:
     """SGLang's scheduler steps for one request, on real pools: match, lock, allocate, 'prefill', cache."""
 
-    def __init__(self, cache_cls=OpRadixCache, size: int = SLOTS):
-        self.pool = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=HEADS,
+    def __init__(self, cache_cls=OpRadixCache, size: int = SLOTS, dtype: torch.dtype = torch.float32):
+        self.pool = MHATokenToKVPool(size=size, page_size=1, dtype=dtype, head_num=HEADS,
                                      head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-        self.alloc = TokenToKVPoolAllocator(size, torch.float32, "cpu", self.pool, need_sort=False)
+        self.alloc = TokenToKVPoolAllocator(size, dtype, "cpu", self.pool, need_sort=False)
         self.rows = ReqToTokenPool(16, 128, "cpu", False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc,
                                  page_size=1)
@@ -83,8 +83,9 @@ class Server:
 
     def prefill(self, slots: torch.Tensor, ids, positions) -> None:
         for layer in range(LAYERS):
-            self.pool.k_buffer[layer][slots] = true_k(ids, positions, layer).float()
-            self.pool.v_buffer[layer][slots] = RAW_V[torch.tensor(list(ids))][:, layer].float()
+            dtype = self.pool.k_buffer[layer].dtype
+            self.pool.k_buffer[layer][slots] = true_k(ids, positions, layer).to(dtype)
+            self.pool.v_buffer[layer][slots] = RAW_V[torch.tensor(list(ids))][:, layer].to(dtype)
 
     def run(self, req: Req, finish: bool = True):
         ids = req.origin_input_ids
@@ -219,6 +220,32 @@ def test_reposition_rerotates_k_exactly_and_keeps_v_and_originals():
         assert torch.equal(s.pool.k_buffer[layer][first.row], k0)  # originals untouched
         assert torch.equal(s.pool.v_buffer[layer][first.row], v0)
     s.assert_row_is_truth(r.row, A + C + E)
+
+
+def test_chained_repositions_rotate_from_the_model_written_keys_in_bf16():
+    """Each request drops one more message and repositions again (a chain of position versions). In a bf16 pool every
+    version's K is ONE rotation of the key the model wrote (the origin slot), bit for bit — not a rotation of the
+    previous version — so rounding does not compound along the chain; V is the origin's V."""
+    from kvsteward.kernels.rope import rerotate
+    from kvsteward.serve.sglang.tree import OpNode
+
+    s = Server(dtype=torch.bfloat16)
+    msgs = [A, B, C, D, E, TRIG, [30, 31, 32], [33, 34], [35, 36, 37]]
+    s.run(Req(*fields(msgs[:4])[:2]))
+    for k in range(3, len(msgs) - 1):  # request k: messages[:k+2], drops {3: [1], 4: [2], ...}, repositions 3..k
+        cache = {"drop": {str(j): [j - 2] for j in range(3, k + 1)}, "reposition": list(range(3, k + 1))}
+        r = s.run(Req(*fields(msgs[: k + 2], cache)[:2]))
+    node = r.node
+    while not (isinstance(node, OpNode) and node.op[0] == "reposition"):
+        node = node.parent
+    assert node.origin.numel() == node.kv_row.numel() and not torch.equal(node.origin, node.kv_row)
+    delta = node.positions - node.origin_pos
+    assert bool((delta != 0).any())
+    for layer in range(LAYERS):
+        k_orig = s.pool.k_buffer[layer][node.origin].transpose(0, 1).float()
+        want = rerotate(k_orig, delta, SPEC, torch.bfloat16).transpose(0, 1)
+        assert torch.equal(s.pool.k_buffer[layer][node.kv_row], want)
+        assert torch.equal(s.pool.v_buffer[layer][node.kv_row], s.pool.v_buffer[layer][node.origin])
 
 
 def test_private_row_drop_and_in_place_reposition():

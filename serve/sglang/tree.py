@@ -53,12 +53,16 @@ class OpNode(TreeNode):
     eviction accounting, which counts `len(node.key)`, counts exactly the slots this node frees."""
 
     def __init__(self, op: tuple, kv_row: torch.Tensor, positions: torch.Tensor, logical: torch.Tensor,
-                 owned: torch.Tensor, next_position: int):
+                 owned: torch.Tensor, next_position: int, origin: torch.Tensor, origin_pos: torch.Tensor):
         super().__init__()
         self.op = op
         self.next_position = next_position  # where the first token appended below this node goes
         self.op_key = ("kvsteward-op", *op)
         self.kv_row, self.positions, self.logical = kv_row, positions, logical
+        # per row entry: the slot holding the K the model wrote (in an ancestor token node, kept alive by this
+        # node) and the position it was written at. Versions rotate from there, never from an earlier version, so a
+        # chain of repositions in bf16 rounds once, not once per link (PACE's reference keys, without a copy).
+        self.origin, self.origin_pos = origin, origin_pos
         self.value = owned
         self.key = RadixKey(array("q", [-1] * owned.numel()), extra_key="kvsteward-op")
 
@@ -185,42 +189,50 @@ class OpRadixCache(RadixCache):
         return walk
 
     # -- ops ---------------------------------------------------------------------------------------------------------
-    def _state(self, walk: _Walk, n_logical: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(row, positions, logical indices, next position) of the state the walk reached: the anchor's row, then
-        token slots at positions (and logical indices) continuing from the anchor's next position."""
+    def _state(self, walk: _Walk, n_logical: int) -> tuple[torch.Tensor, ...]:
+        """(row, positions, logical indices, next position, origin slots, origin positions) of the state the walk
+        reached: the anchor's row, then token slots at positions (and logical indices) continuing from the anchor's
+        next position (their own origins)."""
         anchor = walk.anchor
         row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
         if isinstance(anchor, OpNode):
             base, pos0, log0, next0 = anchor.kv_row.numel(), anchor.positions, anchor.logical, anchor.next_position
             first_logical = n_logical - (row.numel() - base)
+            org0, opos0 = anchor.origin, anchor.origin_pos
         else:
             base, pos0, log0, next0, first_logical = 0, _EMPTY, _EMPTY, 0, 0
+            org0, opos0 = _EMPTY.to(self.device), _EMPTY
         extra = row.numel() - base
-        positions = torch.cat([pos0, next0 + torch.arange(extra, dtype=torch.int64)])
+        new_pos = next0 + torch.arange(extra, dtype=torch.int64)
+        positions = torch.cat([pos0, new_pos])
         logical = torch.cat([log0, first_logical + torch.arange(extra, dtype=torch.int64)])
-        return row, positions, logical, next0 + extra
+        origin, origin_pos = torch.cat([org0, row[base:]]), torch.cat([opos0, new_pos])
+        return row, positions, logical, next0 + extra, origin, origin_pos
 
     def _materialize(self, walk: _Walk, op: tuple, n_logical: int) -> OpNode | None:
-        row, positions, logical, next_position = self._state(walk, n_logical)
+        row, positions, logical, next_position, origin, origin_pos = self._state(walk, n_logical)
         if op[0] == "drop":
             keep = ~torch.isin(logical, torch.tensor(op[1], dtype=torch.int64))
-            node = OpNode(op, row[keep.to(row.device)], positions[keep], logical[keep], _EMPTY.to(self.device),
-                          next_position)
+            kd = keep.to(row.device)
+            node = OpNode(op, row[kd], positions[keep], logical[keep], _EMPTY.to(self.device), next_position,
+                          origin[kd], origin_pos[keep])
         elif op[0] == "reposition":
             if self.rope is None or self.pool is None:
                 logger.warning("kvsteward: no RoPE spec / KV pool, cannot reposition")
                 return None
-            new = self._alloc_version(walk.node, row, positions)
+            new = self._alloc_version(walk.node, origin, origin_pos)
             if new is None:
                 return None
-            node = OpNode(op, new, torch.arange(row.numel(), dtype=torch.int64), logical, new, row.numel())
+            node = OpNode(op, new, torch.arange(row.numel(), dtype=torch.int64), logical, new, row.numel(),
+                          origin, origin_pos)
         else:
             return None
         self._attach(walk.node, node)
         return node
 
     def _alloc_version(self, parent: TreeNode, row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """A position version of `row`, evicting unlocked leaves for room while the parent path is locked."""
+        """A position version of `row` (origin slots, at their origin `positions`), evicting unlocked leaves for room
+        while the parent path — which holds the origins — is locked."""
         new = position_version(self.pool, self.token_to_kv_pool_allocator, row, positions, self.rope)
         if new is None:
             self.inc_lock_ref(parent)
