@@ -322,8 +322,8 @@ class Session:
         stale = [i for i, m in zip(self.spilled, self._planned_mask(torch.tensor(list(self.spilled)), step).tolist(),
                                    strict=True) if not m] if self.spilled else []
         self._unspill(stale)
-        wanted = sorted(i for span in self.config.blueprint if step in span.readers
-                        for i in range(span.start, min(span.end, self.n_logical)) if i in self.spilled)
+        wanted = sorted({i for span in self.config.blueprint if step in span.readers  # (spans may overlap)
+                         for i in range(span.start, min(span.end, self.n_logical)) if i in self.spilled})
         policy, budget = self.config.policy, self.config.budget
         wanted = wanted[: max(0, budget - policy.sinks - policy.recent)]  # what fits beside the protected slots
         if not wanted:
@@ -331,12 +331,13 @@ class Session:
         t0 = time.perf_counter()
         keys = sorted({self.spilled[i] for i in wanted})
         blobs = self.config.spill.fetch(keys)  # may raise SpillError: nothing has changed yet
-        want = torch.tensor(wanted, dtype=torch.long)
         picked = []
         for key in keys:  # check every blob before the table changes
             rows = blobs[key]
-            pick = torch.isin(rows["meta.logical"], want)
-            if int(pick.sum()) != sum(self.spilled[i] == key for i in wanted):
+            # only the tokens indexed to this blob: an older blob may also hold a token spilled again since
+            mine = torch.tensor([i for i in wanted if self.spilled[i] == key], dtype=torch.long)
+            pick = torch.isin(rows["meta.logical"], mine)
+            if int(pick.sum()) != mine.numel():
                 raise SpillError(f"spilled KV {key!r} does not hold the tokens its index names")
             picked.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
         saved, self.current_step = self.current_step, step  # make room first (resident never exceeds B): the

@@ -271,3 +271,64 @@ def test_bench_rehydrate_reports_every_tier(engine, valkey_url, tmp_path):
                           valkey_url=valkey_url, repeats=1, disk_dir=str(tmp_path))
     assert out["rehydrated_tokens"] > 0 and out["spilled_bytes"] > 0
     assert all(out[f"{t}_s"] > 0 for t in ("host", "disk", "valkey"))
+
+
+# -- property: random op sequences with a random blueprint ---------------------------------------------------------
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_append = st.tuples(st.just("append"), st.integers(3, 20))
+ops_strategy = st.lists(st.one_of(_append, _append, _append, st.tuples(st.just("drop"), st.floats(0.05, 0.5)),
+                                  st.tuples(st.just("reposition"), st.just(0.0))), min_size=8, max_size=16)
+# (possibly overlapping) spans over the first ~50 tokens, read by steps 2..9: together they outgrow
+# B - protected = 10, so planned tokens are evicted and come back
+plan_strategy = st.lists(st.tuples(st.integers(0, 40), st.integers(4, 14), st.lists(st.integers(2, 9), min_size=1,
+                                                                                  max_size=3)),
+                         min_size=2, max_size=4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops_strategy, plan=plan_strategy, bounded=st.booleans(), seed=st.integers(0, 10_000))
+def test_random_histories_with_rehydration_match_reference(engine, ops, plan, bounded, seed):
+    """Any mix of appends (each a new step), drops and repositions on a tiered foresight session with a random
+    blueprint: the final state and logits equal the reference replay of its history, the history simulation agrees,
+    every rehydrated token belongs to a span its step reads, resident never exceeds B + H, and the server's
+    log replay re-derives the same history."""
+    from kvsteward.serve.blueprint import parse_blueprint
+    from kvsteward.serve.store import replay
+
+    blueprint = parse_blueprint([{"span": [a, a + n], "readers": r} for a, n, r in plan])
+    config = dict(policy=get_policy("foresight", sinks=2, recent=4), budget=16, chunk=8,
+                  limit=64 if bounded else None, blueprint=blueprint)
+    s = Session(engine, SessionConfig(**config, spill=host_store()))
+    gen = torch.Generator().manual_seed(seed)
+    s.append(torch.randint(0, 256, (10,), generator=gen).tolist())
+    for op, arg in ops:
+        if op == "append":
+            s.append(torch.randint(0, 256, (int(arg),), generator=gen).tolist())
+        elif op == "drop":
+            resident = s.resident_logical().tolist()
+            k = min(len(resident) - 1, int(len(resident) * arg))
+            if k > 0:
+                s.drop(sorted(resident[i] for i in torch.randperm(len(resident), generator=gen)[:k].tolist()))
+        elif s.resident:
+            s.reposition()
+        assert s.resident <= 16 + 8
+    final = s.append([5, 6, 7], logits="all")
+    ref = ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
+    want = ref.replay(s.history)
+    assert ref.logical == s.resident_logical().tolist() and ref.positions == s.resident_positions().tolist()
+    torch.testing.assert_close(final, want, atol=5e-5, rtol=1e-4)
+    plan_state = plan_history(s.history)
+    assert plan_state.resident == ref.logical and plan_state.final_pos == ref.positions
+    step = -1
+    for op in s.history:
+        if op["op"] == "append":
+            step = op["step"]
+        if op["op"] == "rehydrate":  # recorded before the step's first append: it serves the next step
+            nxt = step + 1
+            assert all(any(sp.start <= i < sp.end and nxt in sp.readers for sp in blueprint) for i in op["indices"])
+    event(f"rehydrations: {min(sum(op['op'] == 'rehydrate' for op in s.history), 2)}")
+    again = Session(engine, SessionConfig(**config, spill=host_store()))
+    replay(again, [op for op in s.history if op["op"] in ("append", "drop", "reposition")])
+    assert again.history == s.history
