@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -238,9 +239,18 @@ def _append_journal(path: Path, cfg: RunConfig, sess: Session, arm: str, rows: l
         os.fsync(f.fileno())
 
 
+class PairBar(Protocol):
+    """Progress of a sweep: `start` a (session, arm) pair over its context messages, `advance` one message, `finish`
+    a pair (played, or found in the journal)."""
+
+    def start(self, label: str, messages: int) -> None: ...
+    def advance(self) -> None: ...
+    def finish(self) -> None: ...
+
+
 def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
         progress: Callable[[str], None] | None = None, journal: Path | None = None,
-        play_missing: bool = True) -> dict:
+        play_missing: bool = True, bar: PairBar | None = None) -> dict:
     """Every arm on every session. With `journal`, finished (session, arm) pairs are appended to it as they end
     and pairs already in it are not played again (resume after a crash or a kill; `play_missing=False` only
     summarizes what the journal holds — a partial sweep). Finished pairs are read from every `journal*.jsonl` next
@@ -258,7 +268,9 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
                 continue
             else:
                 t0 = time.perf_counter()
-                got, peak = play(engine, sess, arm, cfg)
+                if bar:
+                    bar.start(f"session {i + 1}/{len(sessions)} D={sess.distance} {arm}", len(sess.messages))
+                got, peak = play(engine, sess, arm, cfg, on_message=(lambda _: bar.advance()) if bar else None)
                 wall = time.perf_counter() - t0
                 if journal:
                     _append_journal(journal, cfg, sess, arm, got, wall, peak)
@@ -266,6 +278,8 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
                     acc = scoring.mean([r.score for r in got if r.kind == "fact"])
                     progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
                              f"residency={scoring.mean([r.residency for r in got if r.kind == 'fact']):.2f}")
+            if bar:
+                bar.finish()
             walls[arm] += wall
             peaks[arm] = max(peaks[arm], peak)
             rows += got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -17,6 +18,29 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
+
+
+@contextmanager
+def _pair_bar(pairs: int):
+    """Two bars on stderr: (session, arm) pairs of the sweep, and the context messages of the pair being played."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as prog:
+        overall = prog.add_task("pairs", total=pairs)
+        current = prog.add_task("", total=1, visible=False)
+
+        class Bar:
+            def start(self, label: str, messages: int) -> None:
+                prog.reset(current, total=messages, description=label, visible=True)
+
+            def advance(self) -> None:
+                prog.advance(current)
+
+            def finish(self) -> None:
+                prog.advance(overall)
+
+        yield Bar()
 
 
 @app.command()
@@ -78,7 +102,9 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
         write_jsonl(sess, out / "sessions.jsonl")
     cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code)
     try:
-        result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only)
+        with _pair_bar(len(sess) * len(arm_list)) as bar:
+            result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only,
+                         bar=bar)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e

@@ -38,7 +38,7 @@ def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path,
     journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
     played = []
     real_play = ls.play
-    monkeypatch.setattr(ls, "play", lambda e, s, a, c: played.append((s.id, a)) or real_play(e, s, a, c))
+    monkeypatch.setattr(ls, "play", lambda e, s, a, c, **kw: played.append((s.id, a)) or real_play(e, s, a, c, **kw))
     resumed = ls.run(engine, sessions, cfg, journal=journal)
     last = json.loads(lines[-1])
     assert played == [(last["session"], last["arm"])]
@@ -46,11 +46,31 @@ def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path,
     assert resumed["paired"] == fresh["paired"]
 
 
+class RecordingBar:
+    def __init__(self):
+        self.starts, self.advances, self.finishes = [], 0, 0
+
+    def start(self, label: str, messages: int) -> None:
+        self.starts.append((label, messages))
+
+    def advance(self) -> None:
+        self.advances += 1
+
+    def finish(self) -> None:
+        self.finishes += 1
+
+
 def test_partial_report_uses_only_finished_pairs(setup, tmp_path):
     engine, sessions, cfg = setup
     journal = tmp_path / ls.JOURNAL
-    ls.run(engine, sessions[:1], cfg, journal=journal)
-    partial = ls.run(engine, sessions, cfg, journal=journal, play_missing=False)
+    bar = RecordingBar()
+    ls.run(engine, sessions[:1], cfg, journal=journal, bar=bar)  # the progress bars: one per pair, per message
+    n_msgs = len(sessions[0].messages)
+    assert [m for _, m in bar.starts] == [n_msgs] * len(cfg.arms) and bar.advances == n_msgs * len(cfg.arms)
+    assert bar.finishes == len(cfg.arms) and "pace" in bar.starts[-1][0]
+    bar = RecordingBar()
+    partial = ls.run(engine, sessions, cfg, journal=journal, play_missing=False, bar=bar)
+    assert not bar.starts and bar.finishes == len(cfg.arms)  # journal pairs count, nothing is played
     n_facts = sum(1 for p in sessions[0].probes if p.kind == "fact")
     for arm in cfg.arms:
         assert sum(c["n"] for c in partial["arms"][arm]["by_distance"].values()) == n_facts
@@ -74,7 +94,7 @@ def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(se
     fresh = ls.run(engine, sessions, cfg, journal=tmp_path / "one" / ls.JOURNAL)
     played = []
     real_play = ls.play
-    monkeypatch.setattr(ls, "play", lambda e, s, a, c: played.append(s.id) or real_play(e, s, a, c))
+    monkeypatch.setattr(ls, "play", lambda e, s, a, c, **kw: played.append(s.id) or real_play(e, s, a, c, **kw))
     for i in range(2):
         ls.run(engine, ls.shard(sessions, i, 2), cfg, journal=tmp_path / ls.shard_journal(i, 2))
     assert sorted(played) == sorted(s.id for s in sessions for _ in cfg.arms)  # each pair played once, by one shard
