@@ -183,8 +183,9 @@ def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int
                     repeats: int = 3) -> dict:
     """Tiered rehydration cost per tier, same run: a pace-tiered session with two planned spans that do not fit B
     together (span A read at the last step, span B at a middle one), so A is spilled and comes back at its reader.
-    Reports the rehydration time (fetch + re-insert) per tier and the reader step's own forward for scale; the
-    sessions in every tier must end in the same state (equal history keys)."""
+    Reports the rehydration time (fetch, eviction to make room, re-insert) per tier and the reader step's forward
+    (with the renumber that follows) for scale; the sessions in every tier must end in the same state (equal
+    history keys)."""
     import tempfile
 
     from kvsteward.serve.spill import SpillStore
