@@ -201,6 +201,7 @@ def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int
         tiers.append(ValkeyTier(valkey_url, prefix="kvsteward:spill:"))
     out: dict = {"span_tokens": span_tokens, "budget": budget, "limit": limit}
     keys = set()
+    default = engine.spill
     for tier in tiers:
         best, forward = float("inf"), float("inf")
         for _ in range(repeats):
@@ -222,6 +223,7 @@ def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int
             keys.add(s.history_key())
         out[f"{tier.name}_s"] = best
         out[f"{tier.name}_step_forward_s"] = forward
+    engine.spill = default  # the engine's own store again: the bench's stores were for its sessions only
     if len(keys) != 1:
         raise RuntimeError("the tiers ended in different states")
     return out

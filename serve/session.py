@@ -31,7 +31,7 @@ from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
 from kvsteward.serve.blueprint import PlannedSpan
 from kvsteward.serve.policies import Policy, SlotView, select_keep
 from kvsteward.serve.slots import SlotTable
-from kvsteward.serve.spill import SpillError, SpillStore, pack_rows
+from kvsteward.serve.spill import SpillStore, pack_rows
 
 RESIDENT, DROPPED, EVICTED = 0, 1, 2
 
@@ -319,9 +319,9 @@ class Session:
 
     def _rehydrate_for(self, step: int) -> None:
         """Bring back the spilled tokens of every span that `step` reads; forget those no reader will ask for."""
-        stale = [i for i, m in zip(self.spilled, self._planned_mask(torch.tensor(list(self.spilled)), step).tolist(),
-                                   strict=True) if not m] if self.spilled else []
-        self._unspill(stale)
+        if self.spilled:
+            live = self._planned_mask(torch.tensor(list(self.spilled)), step).tolist()
+            self._unspill([i for i, keep in zip(list(self.spilled), live, strict=True) if not keep])
         wanted = sorted({i for span in self.config.blueprint if step in span.readers  # (spans may overlap)
                          for i in range(span.start, min(span.end, self.n_logical)) if i in self.spilled})
         policy, budget = self.config.policy, self.config.budget
@@ -329,17 +329,7 @@ class Session:
         if not wanted:
             return
         t0 = time.perf_counter()
-        keys = sorted({self.spilled[i] for i in wanted})
-        blobs = self.config.spill.fetch(keys)  # may raise SpillError: nothing has changed yet
-        picked = []
-        for key in keys:  # check every blob before the table changes
-            rows = blobs[key]
-            # only the tokens indexed to this blob: an older blob may also hold a token spilled again since
-            mine = torch.tensor([i for i in wanted if self.spilled[i] == key], dtype=torch.long)
-            pick = torch.isin(rows["meta.logical"], mine)
-            if int(pick.sum()) != mine.numel():
-                raise SpillError(f"spilled KV {key!r} does not hold the tokens its index names")
-            picked.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
+        picked = self.config.spill.rows_of(self.spilled, wanted)  # may raise SpillError: nothing has changed yet
         saved, self.current_step = self.current_step, step  # make room first (resident never exceeds B): the
         try:  # scores of the step about to open decide, so spans it reads outrank the rest
             self._evict(budget - len(wanted))

@@ -85,8 +85,17 @@ class SlotTable:
             self.meta[name][:m] = self.meta[name][idx]
         self.n = m
 
+    def export(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Slots `idx` as named tensors (`k.L`, `v.L`, `ref_k.L` once reference keys exist, `meta.<field>`): what
+        spilled KV and session snapshots serialize, and what `insert` takes back."""
+        rows = {f"k.{i}": self.k[i][:, idx].contiguous() for i in range(self.n_layers)}
+        rows |= {f"v.{i}": self.v[i][:, idx].contiguous() for i in range(self.n_layers)}
+        if self.ref_k is not None:
+            rows |= {f"ref_k.{i}": self.ref_k[i][:, idx].contiguous() for i in range(self.n_layers)}
+        return rows | {f"meta.{name}": self.meta[name][idx].contiguous() for name in META_FIELDS}
+
     def insert(self, rows: dict[str, torch.Tensor]) -> None:
-        """Add slots packed by `spill.pack_rows` (K, V, optional fp32 reference K, metadata) and restore logical order.
+        """Add slots exported by `export` (K, V, optional fp32 reference K, metadata) and restore logical order.
 
         A table that has reference keys takes the rows' own reference keys, or — rows spilled before the table's first
         renumber — their keys as stored, at their stored positions (what `ensure_reference` would have taken)."""

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvsteward.serve.slots import META_FIELDS, SlotTable
+from kvsteward.serve.slots import SlotTable
 
 
 class SpillError(RuntimeError):
@@ -34,16 +34,7 @@ class SpillError(RuntimeError):
 
 def pack_rows(t: SlotTable, rows: torch.Tensor) -> bytes:
     """Serialize slots `rows` of table `t` (bit-exact): K, V, reference K (if taken) and metadata."""
-    tensors = {f"k.{i}": t.k[i][:, rows].contiguous() for i in range(t.n_layers)}
-    tensors |= {f"v.{i}": t.v[i][:, rows].contiguous() for i in range(t.n_layers)}
-    if t.ref_k is not None:
-        tensors |= {f"ref_k.{i}": t.ref_k[i][:, rows].contiguous() for i in range(t.n_layers)}
-    tensors |= {f"meta.{name}": t.meta[name][rows].contiguous() for name in META_FIELDS}
-    return st_save({k: v.cpu() for k, v in tensors.items()})
-
-
-def unpack_rows(blob: bytes) -> dict[str, torch.Tensor]:
-    return st_load(blob)
+    return st_save({k: v.cpu() for k, v in t.export(rows).items()})
 
 
 @dataclass
@@ -70,10 +61,6 @@ class SpillStore:
         self._lock = threading.Lock()
         self._prefix = f"spill-{uuid.uuid4().hex[:12]}"
         self._ids = itertools.count()
-
-    @property
-    def tier_name(self) -> str:
-        return self.tier.name
 
     def put(self, blob: bytes, refs: int) -> str:
         """Store a blob referenced by `refs` index entries; returns its key."""
@@ -119,12 +106,28 @@ class SpillStore:
             blob = self.tier.get(key)
             if blob is None:
                 raise SpillError(f"spilled KV {key!r} is missing from the {self.tier.name} tier")
-            out[key] = unpack_rows(blob)
+            out[key] = st_load(blob)
         seconds = time.perf_counter() - t0
         with self._lock:
             self.stats.fetches += 1
             self.stats.fetch_seconds += seconds
         return out
+
+    def rows_of(self, index: dict[int, str], logical: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The spilled rows of the tokens `logical` (distinct), one set per blob, given the session's index (logical →
+        blob key). Only the tokens indexed to a blob are taken from it: an older blob may also hold a token spilled
+        again since. Raises SpillError (a lost or wrong blob) before the caller changes anything."""
+        keys = sorted({index[i] for i in logical})
+        blobs = self.fetch(keys)
+        picked = []
+        for key in keys:
+            rows = blobs[key]
+            mine = torch.tensor([i for i in logical if index[i] == key], dtype=torch.long)
+            pick = torch.isin(rows["meta.logical"], mine)
+            if int(pick.sum()) != mine.numel():
+                raise SpillError(f"spilled KV {key!r} does not hold the tokens its index names")
+            picked.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
+        return picked
 
     def note_rehydrated(self, tokens: int, seconds: float) -> None:
         with self._lock:

@@ -21,20 +21,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvsteward.serve.session import Session, SessionConfig
-from kvsteward.serve.slots import META_FIELDS
 
 _SCALARS = ("next_pos", "n_messages", "current_step", "peak_resident", "renumbers")
 
 
 def snapshot(s: Session) -> bytes:
     """Serialize a session state (tensors bit-exact) into one blob."""
-    t = s.table
-    n = t.n
-    tensors = {f"k.{i}": t.k[i][:, :n].contiguous() for i in range(t.n_layers)}
-    tensors |= {f"v.{i}": t.v[i][:, :n].contiguous() for i in range(t.n_layers)}
-    if t.ref_k is not None:
-        tensors |= {f"ref_k.{i}": t.ref_k[i][:, :n].contiguous() for i in range(t.n_layers)}
-    tensors |= {f"meta.{name}": t.meta[name][:n].contiguous() for name in META_FIELDS}
+    tensors = s.table.export(torch.arange(s.table.n))
     if s.last_logits is not None:
         tensors["last_logits"] = s.last_logits.contiguous()
     spilled = _spilled_rows(s)
@@ -49,12 +42,7 @@ def _spilled_rows(s: Session) -> dict[str, torch.Tensor]:
     not depend on the store, which may be another process's memory)."""
     if not s.spilled:
         return {}
-    blobs = s.config.spill.fetch(sorted(set(s.spilled.values())))
-    parts = []
-    for key, rows in blobs.items():
-        mine = torch.tensor([i for i, k in s.spilled.items() if k == key], dtype=torch.long)
-        pick = torch.isin(rows["meta.logical"], mine)
-        parts.append({name: (x[:, pick] if x.dim() == 3 else x[pick]) for name, x in rows.items()})
+    parts = s.config.spill.rows_of(s.spilled, list(s.spilled))
     return {name: torch.cat([p[name] for p in parts], dim=1 if parts[0][name].dim() == 3 else 0).contiguous()
             for name in parts[0]}
 
@@ -65,19 +53,9 @@ def load_snapshot(engine, config: SessionConfig, blob: bytes) -> Session:
     tensors = st_load(blob)
     header = json.loads(_metadata(blob)["kvsteward"])
     s = Session(engine, config)
-    t = s.table
-    n = tensors["meta.logical"].numel()
-    t.reserve(n)
-    for i in range(t.n_layers):
-        t.k[i][:, :n] = tensors[f"k.{i}"]
-        t.v[i][:, :n] = tensors[f"v.{i}"]
     if "ref_k.0" in tensors:
-        t.ref_k = [torch.zeros(k.shape, dtype=torch.float32, device=t.device) for k in t.k]
-        for i in range(t.n_layers):
-            t.ref_k[i][:, :n] = tensors[f"ref_k.{i}"]
-    for name in META_FIELDS:
-        t.meta[name][:n] = tensors[f"meta.{name}"]
-    t.n = n
+        s.table.ensure_reference()  # (empty table: allocates the reference keys the rows bring)
+    s.table.insert(tensors)  # the rows are in logical order already
     s.history, s.tokens, s.status = header["history"], header["tokens"], bytearray(header["status"])
     s.tool_steps = header["tool_steps"]
     for k in _SCALARS:
