@@ -134,7 +134,7 @@ def _planner(engine: Engine, use_adapter: bool, max_tokens: int) -> Callable:
     tok = engine.tokenizer
 
     def plan(main, messages: list[dict], open_c: list[int]) -> str:
-        fork = main.fork()
+        fork = main.fork(shared=True)  # as the server's aux thread forks
         fork.config.use_adapter = use_adapter
         history = messages + [{"role": "user", "content": PLAN_TRIGGER}]
         text = message_texts(tok, history)[-1] + generation_prompt(tok, history)

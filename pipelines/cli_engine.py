@@ -164,6 +164,17 @@ def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = t
 
 
 @bench_app.command()
+def fork(model: str = typer.Option("smollm2", help=MODEL_HELP),
+         resident: int = typer.Option(1536, help="resident tokens of the session that is forked"),
+         as_json: bool = typer.Option(False, "--json")) -> None:
+    """What the aux thread's fork costs the main session: copy fork vs shared fork (no K/V copied), and the parent's
+    next decode step with no fork vs with a live shared fork (copy-on-write), same run."""
+    from kvsteward.serve import checks
+
+    _emit(checks.bench_fork(_engine(model), resident), as_json)
+
+
+@bench_app.command()
 def rehydrate(model: str = typer.Option("smollm2", help=MODEL_HELP),
               span_tokens: int = typer.Option(440, help="tokens of the planned span that is spilled and rehydrated"),
               budget: int = typer.Option(512), limit: int = typer.Option(2048),

@@ -9,6 +9,10 @@ among new ones", and — only when the policy asks — accumulates the attention
 
 Scores are averaged over query heads and summed over layers, so every layer/head votes for one shared slot score
 (slots are evicted for all layers at once; a ragged per-head cache would save nothing on CPU).
+
+A shared fork (`SlotTable.share`) has two key segments: the parent's rows it reads in place (`ForwardContext.prefix`,
+dead rows masked) and its own rows. `_two_segment` takes one softmax over both score blocks and sums the two value
+products: the same attention as over the concatenated keys, without concatenating (copying) them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from kvsteward.serve.slots import SharedPrefix
 
 NAME = "steward"
 _QUERY_TILE_ELEMS = 1 << 22  # floats of one probability tile (≈16 MiB fp32): bounds score memory on long sessions
@@ -33,6 +39,7 @@ class ForwardContext:
     window: int = 1
     n_layers: int = 1
     scores: torch.Tensor | None = None  # [n_old + q] float32, summed over layers
+    prefix: SharedPrefix | None = None  # a shared fork's in-place parent rows (keys/values first in slot order)
     extra: dict = field(default_factory=dict)
 
     def add(self, col_scores: torch.Tensor) -> None:
@@ -75,6 +82,37 @@ def _cumulative(query, key, value, mask, scaling, ctx: ForwardContext) -> torch.
     return out.view(1, hq, q, d).to(query.dtype)
 
 
+def _two_segment(query, key, value, mask, scaling, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    """Attention over [alive prefix rows ; own rows] (own rows: old all visible, new causal), in query tiles; column
+    scores (every mode) in slot order: alive prefix rows, then own rows."""
+    p = ctx.prefix
+    pk, pv, alive = p.k[layer].float(), p.v[layer].float(), p.alive
+    hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
+    hq, q = query.shape[1], query.shape[2]
+    g, n0 = hq // hkv, pk.shape[1]
+    k, v = key[0].float(), value[0].float()
+    tile = max(1, _QUERY_TILE_ELEMS // max(1, hq * (n0 + n)))
+    first_scored = {"cumulative": 0, "window": q - min(ctx.window, q)}.get(ctx.score_mode, q)
+    out = torch.empty(hkv, g, q, d, dtype=torch.float32, device=query.device)
+    col = torch.zeros(n0 + n, dtype=torch.float32, device=query.device)
+    for start in range(0, q, tile):
+        stop = min(q, start + tile)
+        t = stop - start
+        qg = query[0, :, start:stop].reshape(hkv, g * t, d).float()
+        s_prefix = torch.matmul(qg, pk.transpose(1, 2)).mul_(scaling).masked_fill_(~alive, float("-inf"))
+        s_own = torch.matmul(qg, k.transpose(1, 2)).mul_(scaling).view(hkv, g, t, n)
+        s_own = s_own.masked_fill_(~mask[start:stop], float("-inf")).view(hkv, g * t, n)
+        probs = torch.softmax(torch.cat([s_prefix, s_own], dim=-1), dim=-1)
+        o = torch.matmul(probs[..., :n0], pv) + torch.matmul(probs[..., n0:], v)
+        out[:, :, start:stop] = o.view(hkv, g, t, d)
+        if stop > first_scored:
+            lo = max(0, first_scored - start)
+            col += probs.view(hkv, g, t, n0 + n)[:, :, lo:].sum(dim=(0, 1, 2))
+    if ctx.score_mode in ("cumulative", "window"):
+        ctx.add(torch.cat([col[:n0][alive], col[n0:]]) / (hq * ctx.n_layers))
+    return out.view(1, hq, q, d).to(query.dtype)
+
+
 def steward_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, steward=None, **kwargs):
     """AttentionInterface signature: query [1,Hq,q,d], key/value [1,Hkv,n,d] → ([1,q,Hq,d], None)."""
     ctx: ForwardContext = steward
@@ -84,7 +122,9 @@ def steward_attention(module, query, key, value, attention_mask, scaling=None, d
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = _mask(q, n - q, query.device)
-    if ctx.score_mode == "cumulative":
+    if ctx.prefix is not None:
+        out = _two_segment(query, key, value, mask, scaling, ctx, module.layer_idx)
+    elif ctx.score_mode == "cumulative":
         out = _cumulative(query, key, value, mask, scaling, ctx)
     else:
         sdpa_mask = None if q == 1 else mask  # one query sees every resident slot: no mask needed

@@ -1,10 +1,10 @@
 """The auxiliary memory-management thread (SideQuest): the model itself decides which tool responses are stale.
 
-At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork
-the main session (the fork reads the main KV; the main session is never written), append the trigger message
-`Memory management mode` and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under a constraint
-that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the deletion to the
-main session as a `drop` at its next turn. The aux tokens never enter the main context.
+At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork the
+main session (a shared fork: it reads the main K/V in place, copying none; the main session is never written), append
+the trigger message `Memory management mode` and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under
+a constraint that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the
+deletion to the main session as a `drop` at its next turn. The aux tokens never enter the main context.
 
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors": [` prefix; at each step
 only vocabulary tokens made of `0-9 , ] }` and space are candidates (a few hundred), each checked against it.
@@ -16,7 +16,7 @@ under `Scheduler`, the model lock with priorities (main requests first; the aux 
 is in progress, per step), so a request arriving mid-decode waits for at most one aux forward.
 
 The learned planner (`AuxConfig.plan`, `steward serve --aux-plan`): after the deletion decode, the worker runs
-`Planning mode` (`synth.hindsight.PLAN_TRIGGER`) on its own copy of the same boundary state and decodes
+`Planning mode` (`synth.hindsight.PLAN_TRIGGER`) on its own shared fork of the same boundary state and decodes
 `{"plan": [{"cursor": c, "readers": [step, ...]}, ...]}` under `PlanGrammar` (open cursors ascending, readers strictly
 ascending future steps: always well-formed JSON in `json.dumps` form; only a token budget running out leaves it
 unfinished, which is a parse failure). `parse_plan` validates strictly; an invalid plan is never applied in part. The
@@ -201,7 +201,7 @@ def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[i
     """Fork the main session, append the trigger (a user message) and the assistant opener, decode the deletion."""
     if not open_cursors:
         return AuxDecision([], PREFIX + "]}", 0)
-    fork = main.fork()
+    fork = main.fork(shared=True)  # reads the main K/V in place: no copy
     fork.config.use_adapter = use_adapter
     return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens))
 
@@ -408,7 +408,7 @@ def run_plan(main: Session, tokenizer, messages: list[dict], open_cursors: list[
     """Fork the main session, append `Planning mode` and the opener, decode the plan (the by-hand planner call)."""
     if not open_cursors:
         return check_plan(PLAN_PREFIX + "]}", [], len(messages))
-    fork = main.fork()
+    fork = main.fork(shared=True)
     fork.config.use_adapter = use_adapter
     return drive(plan_steps(fork, tokenizer, messages, open_cursors, max_tokens))
 
@@ -643,8 +643,8 @@ class AuxWorker:
         try:
             if self._stop:
                 return
-            # the planner's own copy of the boundary state, taken before the deletion decode writes `job.fork`
-            plan_fork = job.fork.fork() if self.config.plan and self.plan_hook is None else None
+            # the planner's own shared fork of the boundary state, taken before the deletion decode writes `job.fork`
+            plan_fork = job.fork.fork(shared=True) if self.config.plan and self.plan_hook is None else None
             steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens)
             k, got = self._drive(sid, steps, 0)
             if got is None:

@@ -178,6 +178,40 @@ def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: in
     return out
 
 
+def bench_fork(engine: Engine, resident: int = 1536, chunk: int = 512, repeats: int = 5) -> dict:
+    """What forking costs the parent (the aux thread's fork, inside a main turn), same run: a copy fork vs a shared
+    fork (`fork(shared=True)`: no K/V copied), and the parent's next decode step with no fork vs with a live shared
+    fork, for a `full` session (the server's default: nothing is compacted) and an `h2o` session at its budget (the
+    step evicts one slot, so it compacts into fresh buffers: copy-on-write). Medians."""
+    import statistics
+
+    def timed(fn, setup=lambda: None) -> float:
+        times = []
+        for _ in range(repeats):
+            state = setup()
+            t0 = time.perf_counter()
+            fn(state)
+            times.append(time.perf_counter() - t0)
+            del state
+        return statistics.median(times)
+
+    def costs(s) -> dict:
+        def with_reader():
+            parent = s.fork()
+            return parent, parent.fork(shared=True)
+
+        return {"resident": s.resident, "kv_bytes": s.table.kv_bytes(),
+                "copy_fork_s": timed(lambda _: s.fork()), "shared_fork_s": timed(lambda _: s.fork(shared=True)),
+                "decode_step_s": timed(lambda p: p[0].generate(1), lambda: (s.fork(),)),
+                "decode_step_with_shared_fork_s": timed(lambda p: p[0].generate(1), with_reader)}
+
+    full = engine.session("full", chunk=chunk)
+    full.append(_tokens(resident, engine.vocab_size, 5))
+    h2o = engine.session("h2o", budget=resident, chunk=chunk)
+    h2o.append(_tokens(resident + 64, engine.vocab_size, 5))
+    return {"full": costs(full), "h2o": costs(h2o)}
+
+
 def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int = 6, budget: int = 512,
                     chunk: int = 512, limit: int = 2048, disk_dir: str | None = None, valkey_url: str | None = None,
                     repeats: int = 3) -> dict:

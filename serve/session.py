@@ -232,7 +232,7 @@ class Session:
         positions = torch.arange(self.next_pos, self.next_pos + c, dtype=torch.long, device=t.device)
         policy = self.config.policy
         ctx = ForwardContext(n_old=t.n, score_mode=policy.score_mode, window=policy.window,
-                             n_layers=self.engine.n_layers)
+                             n_layers=self.engine.n_layers, prefix=t.prefix)
         model = self.engine.model
         with torch.inference_mode(), steward_attention_enabled(model), self.engine.adapter(self.config.use_adapter):
             out = model(input_ids=torch.tensor([chunk], device=t.device), position_ids=positions[None],
@@ -284,12 +284,17 @@ class Session:
         self.table.keep(keep)
         self.history.append({"op": "evict", "indices": evicted})
 
-    def fork(self) -> Session:
-        """An independent copy (same history); later ops on either side never affect the other."""
+    def fork(self, shared: bool = False) -> Session:
+        """An independent session with the same state and history; later ops on either side never affect the other.
+
+        `shared=True` copies no K/V: the fork reads this session's resident rows in place (`SlotTable.share`) and
+        this session writes fresh buffers instead of rows the fork reads (copy-on-write). What a short-lived reader
+        (the aux thread) wants. Its attention sums over two key segments, so its logits equal a copy's to float
+        rounding, not bit for bit."""
         other = Session.__new__(Session)
         other.__dict__.update(self.__dict__)
         other.config = dataclasses.replace(self.config)
-        other.table = self.table.clone()
+        other.table = self.table.share() if shared else self.table.clone()
         other.tokens = list(self.tokens)
         other.status = bytearray(self.status)
         other.history = list(self.history)
@@ -363,6 +368,7 @@ def move_resident(t: SlotTable, rope, new_pos: torch.Tensor) -> None:
     now if this is the first move), angles in float64, shared by every layer; V unchanged."""
     from kvsteward.kernels.rope import rerotate, rotation_cos_sin
 
+    t.own_rows()  # the keys are rewritten in place
     t.ensure_reference()
     r = t.n
     delta = new_pos - t.field("ref_pos")

@@ -504,10 +504,11 @@ class SessionStore:
 
     # -- the aux worker's side --------------------------------------------------------------------------------------
     def _fork(self, rec: Record, session, messages: list[dict], open_c: list[int]) -> AuxJob:
-        """The aux fork, inside the main turn (under the session lock; no forward, so no model lock): a copy of the
-        slot table (all resident K/V, a memcpy) — the only cost the aux thread adds to a main turn."""
+        """The aux fork, inside the main turn (under the session lock; no forward, so no model lock): a shared fork
+        that reads the main K/V rows in place (`SlotTable.share`: only per-slot metadata is copied). While the fork
+        lives, the main session's next compaction writes fresh buffers instead of its own (copy-on-write)."""
         t0 = time.perf_counter()
-        fork = session.fork()  # the main session is never written
+        fork = session.fork(shared=True)  # the main session is never written
         fork.config.use_adapter = self.aux.use_adapter
         seconds = time.perf_counter() - t0
         self.aux_forks += 1
