@@ -15,6 +15,7 @@ a rehydration) first takes a dense copy of its slots (`own_rows`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ class SharedPrefix:
 
     def rows(self) -> torch.Tensor:
         return torch.nonzero(self.alive).view(-1)
+
+    def branch(self) -> SharedPrefix:
+        """The same rows for another fork, with its own `alive` flags."""
+        return dataclasses.replace(self, alive=self.alive.clone())
 
 
 class SlotTable:
@@ -192,15 +197,10 @@ class SlotTable:
                                         alive=torch.ones(n, dtype=torch.bool, device=self.device),
                                         sharers=self.sharers)
             other.base = n
-            rows = 64
-            other.k = [torch.zeros((self.n_kv_heads, rows, self.head_dim), dtype=self.dtype, device=self.device)
-                       for _ in range(self.n_layers)]
-            other.v = [torch.zeros_like(t) for t in other.k]
-            other.ref_k = None if self.ref_k is None else [torch.zeros_like(t, dtype=torch.float32)
-                                                           for t in other.k]
+            other.k, other.v = [], []
+            other._grow_rows(64)  # an empty tail of its own (reference keys too, when the parent has them)
         else:
-            p = self.prefix
-            other.prefix = SharedPrefix(k=p.k, v=p.v, ref_k=p.ref_k, alive=p.alive.clone(), sharers=p.sharers)
+            other.prefix = self.prefix.branch()
             other.k = [t.clone() for t in self.k]
             other.v = [t.clone() for t in self.v]
             other.ref_k = None if self.ref_k is None else [t.clone() for t in self.ref_k]
@@ -289,7 +289,6 @@ class SlotTable:
         other.meta = {k: t.clone() for k, t in self.meta.items()}
         other.sharers = weakref.WeakSet()
         if self.prefix is not None:
-            p = self.prefix
-            other.prefix = SharedPrefix(k=p.k, v=p.v, ref_k=p.ref_k, alive=p.alive.clone(), sharers=p.sharers)
+            other.prefix = self.prefix.branch()
             other.own_rows()
         return other
