@@ -55,22 +55,28 @@ def _kv_reads(resident_before: int, n_decoded: int) -> int:
     return n_decoded * resident_before + n_decoded * (n_decoded - 1) // 2
 
 
-def answer_prefix(final_message: str, gold: str) -> str:
-    """The final message up to the first occurrence of the answer value (`Final answer: ` if it never occurs)."""
+def answer_prefix(final_message: str, gold: str) -> tuple[str, str]:
+    """(prefix, answer): the final message up to the first occurrence of the answer value (`Final answer:` if it
+    never occurs), and the answer as it follows there. The space before the value belongs to the answer: BPE merges it
+    with the value's first word (` Harvard`), so a prefix ending in a space would leave the model a token boundary it
+    never sees in text and understate its accuracy."""
     at = final_message.find(gold)
-    return final_message[:at] if at > 0 else ANSWER_PREFIX
+    if at <= 0:
+        return ANSWER_PREFIX.rstrip(), " " + gold
+    cut = len(final_message[:at].rstrip(" "))
+    return final_message[:cut], final_message[cut:at] + gold
 
 
 def _final_answer(engine: Engine, s, messages: list[dict], final_message: str, gold: str,
                   max_tokens: int) -> tuple[bool, float, int]:
     """(greedy answer matches, gold answer NLL, KV reads of the greedy decode) after the forced prefix."""
     tok = engine.tokenizer
-    opener = tok.encode(generation_prompt(tok, messages) + answer_prefix(final_message, gold),
-                        add_special_tokens=False)
+    prefix, answer = answer_prefix(final_message, gold)
+    opener = tok.encode(generation_prompt(tok, messages) + prefix, add_special_tokens=False)
     s.append(opener, kind="assistant")
     before = s.resident
     gen = s.fork().generate(max_tokens, stop_ids=engine.stop_ids)
-    nll = appended_gold_nll(s, tok.encode(gold, add_special_tokens=False))
+    nll = appended_gold_nll(s, tok.encode(answer, add_special_tokens=False))
     return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), nll, _kv_reads(before, len(gen))
 
 

@@ -6,8 +6,8 @@ the trigger message `Memory management mode` and the assistant opener, then gree
 a constraint that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the
 deletion to the main session as a `drop` at its next turn. The aux tokens never enter the main context.
 
-The constraint is a character-level automaton over the tail after the forced `{"del_cursors": [` prefix; at each step
-only vocabulary tokens made of `0-9 , ] }` and space are candidates (a few hundred), each checked against it.
+The constraint is a character-level automaton over the tail after the forced `{"del_cursors":` prefix; at each step
+only vocabulary tokens made of `0-9 , [ ] }` and space are candidates (a few hundred), each checked against it.
 
 In the server (`SessionStore` with an `AuxConfig`): the store takes the fork inside the main turn, right after the
 boundary's tool message was appended and before the reply is generated (`fork_point`), and hands it to `AuxWorker`,
@@ -40,15 +40,27 @@ import torch
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.session import Session
 from kvsteward.synth.chat import generation_prompt, message_texts
-from kvsteward.synth.hindsight import PLAN_TRIGGER
+from kvsteward.synth.hindsight import PLAN_TRIGGER, delete_trigger
 
-TRIGGER = "Memory management mode"
-PREFIX = '{"del_cursors": ['
-_ALPHABET = set("0123456789, ]}")
+# The forced opener stops before the list's `[`: BPE merges the bracket with what follows, so the training targets
+# (`json.dumps`, tokenized as one piece) read ` []` + `}` for an empty list and ` [` + `3` for a non-empty one.
+# Forcing ` [` would leave the model in a token state it never saw before an empty list (and bias it to delete);
+# the bracket is decoded under the constraint instead, so either tokenization can be chosen.
+PREFIX = '{"del_cursors":'
+LIST_OPEN = " ["
+_ALPHABET = set("0123456789, []}")
 
 
 def valid_tail(tail: str, open_ids: frozenset[int]) -> tuple[bool, bool]:
-    """(prefix of a valid tail?, complete?) for the language `ID (", " ID)* "]}"` | `"]}"` over unused open ids."""
+    """(prefix of a valid tail?, complete?) for the language `" [" (ID (", " ID)* "]}" | "]}")` over unused open
+    ids (the tail is what follows `PREFIX`)."""
+    if not tail.startswith(LIST_OPEN):
+        return LIST_OPEN.startswith(tail), False
+    return _valid_list(tail[len(LIST_OPEN):], open_ids)
+
+
+def _valid_list(tail: str, open_ids: frozenset[int]) -> tuple[bool, bool]:
+    """`valid_tail` after the opening bracket: `ID (", " ID)* "]}"` | `"]}"`."""
     used: set[int] = set()
     i, n = 0, len(tail)
     expect_id = True
@@ -157,7 +169,7 @@ def _constrained_steps(session: Session, tokenizer, open_ids: list[int],
 
 def _close(tail: str) -> str:
     """Budget exhausted mid-list: keep the ids already closed by a separator and close the JSON."""
-    return ", ".join(re.findall(r"(\d+)(?=, |\])", tail)) + "]}"
+    return LIST_OPEN + ", ".join(re.findall(r"(\d+)(?=, |\])", tail)) + "]}"
 
 
 def open_cursors(messages: list[dict], dropped) -> list[int]:
@@ -189,7 +201,7 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     """The aux thread on `fork` (a fork of the main session, adapter set by the caller) as a generator of steps:
     every resumption runs at most one model forward (trigger prefill, the forced opener, then one decoded token), so
     a scheduler can take the model lock per step and yield to main work in between. Returns the decision."""
-    history = messages + [{"role": "user", "content": TRIGGER}]
+    history = messages + [{"role": "user", "content": delete_trigger(open_cursors)}]
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield
@@ -200,14 +212,14 @@ def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[i
             use_adapter: bool = True) -> AuxDecision:
     """Fork the main session, append the trigger (a user message) and the assistant opener, decode the deletion."""
     if not open_cursors:
-        return AuxDecision([], PREFIX + "]}", 0)
+        return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
     fork = main.fork(shared=True)  # reads the main K/V in place: no copy
     fork.config.use_adapter = use_adapter
     return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens))
 
 
 # -- the planner (`Planning mode`): a blueprint for the foresight policy ----------------------------------------------
-PLAN_PREFIX = '{"plan": ['
+PLAN_PREFIX = '{"plan":'  # stops before the bracket, as `PREFIX` does (` [{` and ` []` are single tokens)
 PLAN_HORIZON = 4096  # readers are steps in [boundary, boundary + PLAN_HORIZON): a bound that ends every number
 _PLAN_ALPHABET = "0123456789, ]}{[\":cursoread"
 _ENTRY = '{"cursor": '
@@ -233,9 +245,9 @@ def _has_prefix_in(digits: str, lo: int, hi: int) -> bool:
 
 
 class PlanGrammar:
-    """The plan tail after the forced `{"plan": [`, exactly as `json.dumps` writes `synth.hindsight.plan_target`:
+    """The plan tail after the forced `{"plan":`, exactly as `json.dumps` writes `synth.hindsight.plan_target`:
 
-        "]}"  |  ENTRY (", " ENTRY)* "]}"        ENTRY = '{"cursor": ' C ', "readers": [' R (", " R)* "]}"
+        " [" ("]}"  |  ENTRY (", " ENTRY)* "]}")        ENTRY = '{"cursor": ' C ', "readers": [' R (", " R)* "]}"
 
     C: open cursor ids in ascending order (so none twice); R: steps in [boundary, boundary + PLAN_HORIZON), strictly
     ascending within an entry. A character-level automaton: a state is a tuple, `feed` advances it over a string
@@ -250,7 +262,7 @@ class PlanGrammar:
     # states: ("lit", text, pos, next) | ("start",) | ("cid", digits, last_c) | ("rid", digits, last_c, last_r)
     #         | ("entry_end", last_c) | ("done",)
     def start(self) -> tuple:
-        return ("start",)
+        return ("lit", LIST_OPEN, 0, ("start",))
 
     def _cursor_ok(self, digits: str, last_c: int) -> bool:
         return any(str(c).startswith(digits) for c in self.open if c > last_c)
@@ -407,7 +419,7 @@ def run_plan(main: Session, tokenizer, messages: list[dict], open_cursors: list[
              use_adapter: bool = True) -> PlanDecision:
     """Fork the main session, append `Planning mode` and the opener, decode the plan (the by-hand planner call)."""
     if not open_cursors:
-        return check_plan(PLAN_PREFIX + "]}", [], len(messages))
+        return check_plan(PLAN_PREFIX + LIST_OPEN + "]}", [], len(messages))
     fork = main.fork(shared=True)
     fork.config.use_adapter = use_adapter
     return drive(plan_steps(fork, tokenizer, messages, open_cursors, max_tokens))

@@ -96,7 +96,7 @@ def aux_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[
 
 
 def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.AuxContext) -> list[dict] | None:
-    kinds = [("delete", hs.DELETE_TRIGGER, hs.delete_target(ctx.open_cursors, trace, ctx.boundary))]
+    kinds = [("delete", hs.delete_trigger(ctx.open_cursors), hs.delete_target(ctx.open_cursors, trace, ctx.boundary))]
     if cfg.plan:
         kinds.append(("plan", hs.PLAN_TRIGGER, hs.plan_target(ctx.open_cursors, trace, ctx.boundary)))
     out = []

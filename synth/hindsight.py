@@ -26,6 +26,14 @@ DELETE_TRIGGER = "Memory management mode"
 PLAN_TRIGGER = "Planning mode"
 
 
+def delete_trigger(open_cursors: list[int]) -> str:
+    """The deletion trigger message: SideQuest's phrase, then the open cursor ids (the choices the decoder admits).
+    Listing them next to the answer turns "which ids are open" from a search back through the context into a copy
+    from the line above, which a small model learns in far fewer steps; training and serving must use the same text."""
+    ids = ", ".join(str(c) for c in sorted(open_cursors))
+    return f"{DELETE_TRIGGER}\nOpen cursors: {ids if ids else 'none'}"
+
+
 def boundaries(trace: Trace, every: int) -> list[int]:
     """Boundaries after every `every`-th tool response (the last message never starts a boundary)."""
     if every < 1:

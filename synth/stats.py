@@ -40,7 +40,8 @@ def _last_use_from_raw(trace_file: Path) -> dict[str, dict[int, int]]:
 
 def delete_row_errors(messages: list[dict], step: int, last: dict[int, int]) -> Counter:
     errs: Counter = Counter()
-    if len(messages) < 2 or messages[-2] != {"role": "user", "content": "Memory management mode"}:
+    trigger = messages[-2] if len(messages) >= 2 else {}
+    if trigger.get("role") != "user" or not str(trigger.get("content", "")).startswith("Memory management mode"):
         errs["format"] += 1
         return errs
     try:

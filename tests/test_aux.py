@@ -16,19 +16,50 @@ OPEN = frozenset({3, 7, 12})
 
 
 @pytest.mark.parametrize("tail, ok, done", [
+    ("", True, False), (" ", True, False), (" [", True, False), ("[", False, False), ("  [", False, False),
+    (" []}", True, True), (" [3]}", True, True), ("3", False, False),
+])
+def test_valid_tail_opening_bracket(tail, ok, done):
+    assert valid_tail(tail, OPEN) == (ok, done)
+
+
+@pytest.mark.parametrize("tail, ok, done", [
     ("", True, False), ("]", True, False), ("]}", True, True), ("3", True, False), ("1", True, False),
     ("12, 3]}", True, True), ("3, ", True, False), ("3,", True, False), ("4", False, False), ("3, 3", False, False),
     ("03", False, False), ("7]", True, False), ("7, ]", False, False), ("7 ", False, False), ("]]", False, False),
     ("12]}x", False, False), ("3, 7, 12", True, False), ("3, 7, 12, ", False, False), ("3, 7, 12]}", True, True),
 ])
 def test_valid_tail_hand_worked(tail, ok, done):
-    assert valid_tail(tail, OPEN) == (ok, done)
+    assert valid_tail(" [" + tail, OPEN) == (ok, done)
 
 
 def test_close_keeps_only_completed_ids():
-    assert _close("3, 12, 7") == "3, 12]}"
-    assert _close("3, ") == "3]}"
-    assert _close("") == "]}"
+    assert _close(" [3, 12, 7") == " [3, 12]}"
+    assert _close(" [3, ") == " [3]}"
+    assert _close(" [") == " []}"
+    assert _close("") == " []}"
+
+
+@pytest.mark.parametrize("target", [{"del_cursors": []}, {"del_cursors": [3]}, {"del_cursors": [3, 12]},
+                                    {"plan": []}, {"plan": [{"cursor": 3, "readers": [13, 14]}]}])
+def test_forced_opener_is_a_token_prefix_of_every_training_target(tok, target):
+    """The decoder forces `PREFIX` / `PLAN_PREFIX` as tokens and decodes the rest; the model was trained on the whole
+    target tokenized as one piece (`synth.hindsight.target_text`). The forced tokens must be exactly the target's
+    first tokens, or the model decodes from a token state it never saw in training (` [` then `]}` for an empty list,
+    where training has ` []` then `}`). The rest of the target must be a complete tail of the constraint."""
+    from kvsteward.serve.aux import PLAN_PREFIX, PREFIX, PlanGrammar
+    from kvsteward.synth.hindsight import target_text
+
+    text = target_text(target)
+    prefix = PREFIX if "del_cursors" in target else PLAN_PREFIX
+    forced = tok.encode(prefix, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=False)[:len(forced)] == forced
+    tail = text[len(prefix):]
+    if "del_cursors" in target:
+        assert valid_tail(tail, OPEN) == (True, True)
+    else:
+        g = PlanGrammar([3, 5, 9], boundary=12)
+        assert g.done(g.feed(g.start(), tail))
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +117,29 @@ def test_adapter_runs_only_on_the_aux_side(tok):
     aux.append([5, 6], kind="user")
     main.append([5, 6], kind="user")
     assert not torch.allclose(aux.last_logits, main.last_logits)
+
+
+def test_serving_aux_context_is_the_training_row(engine, tok):
+    """The tokens the aux fork holds before its first decoded token (context, trigger with the open ids, assistant
+    opener, forced `PREFIX`) are exactly the training row's tokens before the first decision token."""
+    import random
+
+    from kvsteward.serve.aux import PREFIX, aux_steps
+    from kvsteward.synth import hindsight as hs
+    from kvsteward.synth.chat import message_token_ids
+    from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
+    from kvsteward.synth.generate import generate_traces
+
+    trace = next(t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4)
+    b = hs.boundaries(trace, 2)[1]
+    ctx = hs.aux_context(trace, b, random.Random(0), mask_prob=0.5)
+    row = _aux_at(trace, PieceTokenizer(tok), HindsightConfig(every=2, max_tokens=10**6, plan=False), ctx)[0]
+    s = engine.session("full")
+    for m, ids in zip(ctx.messages, message_token_ids(tok, ctx.messages), strict=True):
+        s.append(ids, kind=m["role"])
+    fork = s.fork(shared=True)
+    steps = aux_steps(fork, tok, ctx.messages, ctx.open_cursors)
+    next(steps), next(steps)  # trigger prefill, then the forced opener
+    first = next(i for i, t in enumerate(row["labels"]) if t != -100)
+    forced = len(tok.encode(PREFIX, add_special_tokens=False))
+    assert fork.tokens == row["input_ids"][:first + forced]

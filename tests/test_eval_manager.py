@@ -60,10 +60,14 @@ def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
 
 
 def test_answer_prefix_stops_where_the_value_must_be_recalled(setup):
-    _, traces = setup
+    engine, traces = setup
+    tok = engine.tokenizer
     for tr in traces:
         final = tr.messages[-1]["content"]
-        prefix = answer_prefix(final, tr.answer)
-        assert final.startswith(prefix) and final[len(prefix):].startswith(tr.answer)
-        assert tr.answer not in prefix
-    assert answer_prefix("no value here", "X1") == "Final answer: "
+        prefix, answer = answer_prefix(final, tr.answer)
+        assert final.startswith(prefix + answer) and answer.strip() == tr.answer and answer.startswith(" ")
+        assert tr.answer not in prefix and not prefix.endswith(" ")
+        # the forced prefix ends on a token boundary of the message as the model reads it
+        whole = tok.encode(prefix + answer, add_special_tokens=False)
+        assert whole == tok.encode(prefix, add_special_tokens=False) + tok.encode(answer, add_special_tokens=False)
+    assert answer_prefix("no value here", "X1") == ("Final answer:", " X1")

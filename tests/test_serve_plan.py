@@ -125,14 +125,15 @@ def test_plan_grammar_is_the_training_target_language():
     t = tail(target)
     assert all(g.feed(g.start(), t[:k]) is not None for k in range(len(t) + 1)) and done(g.feed(g.start(), t))
     assert parse_plan(target, [3, 5, 9], 12) == [{"cursor": 3, "readers": [13, 14]}, {"cursor": 9, "readers": [13, 15]}]
-    assert done(g.feed(g.start(), "]}")) and parse_plan(PLAN_PREFIX + "]}", [3], 12) == []
-    assert g.feed(g.start(), '{"cursor": 5, "readers": [14, 13') is not None  # 13 may still become 130..139
+    assert done(g.feed(g.start(), " []}")) and parse_plan(PLAN_PREFIX + " []}", [3], 12) == []
+    assert g.feed(g.start(), '{"cursor": 5') is None  # the list's bracket comes first
+    assert g.feed(g.start(), ' [{"cursor": 5, "readers": [14, 13') is not None  # 13 may still become 130..139
     for bad in ['{"cursor": 4', '{"cursor": 5, "readers": []', '{"cursor": 5, "readers": [11]',  # 4 not open; empty
                 '{"cursor": 5, "readers": [013', '{"cursor": 9, "readers": [13]}, {"cursor": 3',  # leading 0; order
                 '{"cursor": 5, "readers": [14, 13]', '{"cursor": 5, "readers": [14, 14]',  # readers ascend
                 '{"cursor": 9, "readers": [13]}, ', '{"cursor": 5, "readers": [13]}]} ',  # no cursor > 9; trailing
                 '{"cursor":5', f'{{"cursor": 5, "readers": [{12 + PLAN_HORIZON}']:  # spacing; beyond the horizon
-        assert g.feed(g.start(), bad) is None, bad
+        assert g.feed(g.start(), " [" + bad) is None, bad
     assert PlanGrammar([], 12).feed(("start",), "{") is None  # nothing open: only the empty plan
 
     # no dead ends: random walks over the characters the grammar admits always close, and parse strictly

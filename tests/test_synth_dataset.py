@@ -59,7 +59,8 @@ def test_aux_labels_spell_exactly_the_target(tok, built):
     assert {r["kind"] for r in aux} == {"delete", "plan"}
     for r in aux:
         msgs = json.loads(r["messages"])
-        assert msgs[-2]["content"] == (hs.DELETE_TRIGGER if r["kind"] == "delete" else hs.PLAN_TRIGGER)
+        assert msgs[-2]["content"] == (hs.delete_trigger(r["open_cursors"]) if r["kind"] == "delete"
+                                       else hs.PLAN_TRIGGER)
         assert msgs[-1]["content"] == r["target"]
         assert tok.decode(_labelled(r)) == r["target"] + "<|im_end|>"
         first = next(i for i, t in enumerate(r["labels"]) if t != -100)

@@ -91,7 +91,8 @@ def _check_all_boundaries(trace: Trace, every: int, mask_prob: float, seed: int)
         assert {c for c in ctx.open_cursors if last[c] < b} == set(target), "an expired open cursor is not marked"
         assert not set(ctx.masked) & later_used, "pre-masking removed a cursor a later step uses"
         # The stats re-check (independent code path) agrees on the rendered row.
-        assert not delete_row_errors(hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": target}), b, last)
+        trigger = hs.delete_trigger(ctx.open_cursors)
+        assert not delete_row_errors(hs.with_trigger(ctx, trigger, {"del_cursors": target}), b, last)
 
 
 @settings(max_examples=25, deadline=None)
@@ -126,10 +127,17 @@ def test_property_random_reads_never_delete_a_cursor_used_later(trace, every, ma
 def test_independent_check_catches_wrong_labels():
     last = HAND.last_use()
     ctx = hs.aux_context(HAND, 10, random.Random(0), mask_prob=0.0)
-    harmful = hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": [3, 5, 7]})  # 5 is read at step 10
+    trigger = hs.delete_trigger(ctx.open_cursors)
+    harmful = hs.with_trigger(ctx, trigger, {"del_cursors": [3, 5, 7]})  # 5 is read at step 10
     assert delete_row_errors(harmful, 10, last)["harmful"] == 1
-    missed = hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": [3]})  # 7 expired, not marked
+    missed = hs.with_trigger(ctx, trigger, {"del_cursors": [3]})  # 7 expired, not marked
     assert delete_row_errors(missed, 10, last)["missed"] == 1
     ctx2 = hs.aux_context(HAND, 10, random.Random(0), mask_prob=1.0)
-    invalid = hs.with_trigger(ctx2, hs.DELETE_TRIGGER, {"del_cursors": [3]})  # 3 was masked: not open
+    trigger2 = hs.delete_trigger(ctx2.open_cursors)
+    invalid = hs.with_trigger(ctx2, trigger2, {"del_cursors": [3]})  # 3 was masked: not open
     assert delete_row_errors(invalid, 10, last)["invalid"] == 1
+
+
+def test_delete_trigger_lists_the_open_cursors_in_order():
+    assert hs.delete_trigger([9, 3, 5]) == "Memory management mode\nOpen cursors: 3, 5, 9"
+    assert hs.delete_trigger([]) == "Memory management mode\nOpen cursors: none"
