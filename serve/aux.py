@@ -2,7 +2,8 @@
 
 At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork the
 main session (a shared fork: it reads the main K/V in place, copying none; the main session is never written), append
-the trigger message `Memory management mode` and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under
+the trigger message (`Memory management mode`, then `Open cursors: ...`: `synth.hindsight.delete_trigger`, the text the
+manager was trained on) and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under
 a constraint that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the
 deletion to the main session as a `drop` at its next turn. The aux tokens never enter the main context.
 
