@@ -6,7 +6,7 @@ straight from the `reads` records, finds the cursors actually open in each row b
 - a cursor marked for deletion that a step at or after the row's boundary reads (harmful),
 - an open cursor whose last use is before the boundary that is not marked (missed),
 - a marked cursor that is not open in the row's context (invalid),
-- a row whose trigger or target message is not where it must be,
+- a row whose trigger or target message is not where it must be (the trigger must list exactly the open cursors),
 - an aux row whose labelled tokens do not decode to its target (the trainer learns from the tokens, not the text).
 """
 
@@ -40,8 +40,12 @@ def _last_use_from_raw(trace_file: Path) -> dict[str, dict[int, int]]:
 
 def delete_row_errors(messages: list[dict], step: int, last: dict[int, int]) -> Counter:
     errs: Counter = Counter()
-    trigger = messages[-2] if len(messages) >= 2 else {}
-    if trigger.get("role") != "user" or not str(trigger.get("content", "")).startswith("Memory management mode"):
+    open_ = {int(m.group(1)) for msg in messages[:-2] if msg["role"] == "tool"
+             for m in [_TAG.match(msg["content"])] if m}
+    # the trigger lists exactly the open cursors (spelled out here, not taken from `hindsight.delete_trigger`)
+    listed = ", ".join(str(c) for c in sorted(open_)) or "none"
+    if len(messages) < 2 or messages[-2] != {"role": "user",
+                                             "content": f"Memory management mode\nOpen cursors: {listed}"}:
         errs["format"] += 1
         return errs
     try:
@@ -49,8 +53,6 @@ def delete_row_errors(messages: list[dict], step: int, last: dict[int, int]) -> 
     except (json.JSONDecodeError, KeyError, TypeError):
         errs["format"] += 1
         return errs
-    open_ = {int(m.group(1)) for msg in messages[:-2] if msg["role"] == "tool"
-             for m in [_TAG.match(msg["content"])] if m}
     for c in marked:
         if c not in open_:
             errs["invalid"] += 1

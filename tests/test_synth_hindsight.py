@@ -136,6 +136,10 @@ def test_independent_check_catches_wrong_labels():
     trigger2 = hs.delete_trigger(ctx2.open_cursors)
     invalid = hs.with_trigger(ctx2, trigger2, {"del_cursors": [3]})  # 3 was masked: not open
     assert delete_row_errors(invalid, 10, last)["invalid"] == 1
+    stale = hs.with_trigger(ctx2, trigger, {"del_cursors": []})  # lists cursors the context no longer holds
+    assert delete_row_errors(stale, 10, last)["format"] == 1
+    bare = hs.with_trigger(ctx, hs.DELETE_TRIGGER, {"del_cursors": [3]})  # no cursor list
+    assert delete_row_errors(bare, 10, last)["format"] == 1
 
 
 def test_delete_trigger_lists_the_open_cursors_in_order():
