@@ -105,16 +105,19 @@ def hindsight(
     mask_prob: float = typer.Option(0.5, help="chance each expired cursor is pre-masked (already deleted)"),
     plan: bool = typer.Option(True, help="also emit `Planning mode` rows"),
     seed: int = typer.Option(0, help="seed of the pre-masking draw"),
+    pack: bool = typer.Option(False, help="one packed row per trace (the trace plus every call, with the serving "
+                                          "engine's positions and deletion history) instead of main/delete/plan rows"),
     as_json: bool = typer.Option(False, "--json", help="print the card statistics as JSON"),
 ) -> None:
-    """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows) with a card."""
+    """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows, or packed rows) with
+    a card."""
     from kvsteward.models import load_tokenizer
     from kvsteward.runs import parent_run_id, stage_run
     from kvsteward.synth import dataset as dsm
     from kvsteward.synth.trace import read_traces
 
     cfg = dsm.HindsightConfig(every=every, mask_prob=mask_prob, max_tokens=max_tokens, plan=plan, seed=seed,
-                              model=model)
+                              model=model, pack=pack)
     try:
         cfg.validate()
         trs = read_traces(traces_dir)

@@ -38,7 +38,7 @@ def lora(
     seed: int = typer.Option(0, help="seed for LoRA init, data order, dropout"),
     tile_rows: int = typer.Option(1024, help="LM-head rows per tile in the loss (memory bound for big vocabularies)"),
     bf16: bool = typer.Option(False, help="bf16 mixed precision (GPUs)"),
-    top_layers: int = typer.Option(0, help="LoRA only in the top N decoder layers (faster backward); 0 = all"),
+    top_layers: int = typer.Option(0, help="LoRA only in the top N decoder layers (faster step); 0 = all"),
     max_minutes: float = typer.Option(0.0, help="stop (and save) after this many minutes of training; 0 = no limit"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),

@@ -7,6 +7,8 @@ Rows (one schema for all kinds):
 - `plan`: the same context + `Planning mode` + `{"plan": [...]}`.
   Aux rows longer than `max_tokens` are retried with every expired cursor masked (as the manager would have left
   them); still too long → skipped and counted in the card (their targets would refer to cut cursors).
+- `packed` (`pack=True`, instead of the three above): the whole trace with every call at every boundary in one
+  sequence and one consistent deletion history (`synth.packed`); longer than `max_tokens` → skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 from kvsteward.synth import hindsight as hs
 from kvsteward.synth.blueprint import blueprint_from_reads
+from kvsteward.synth.packed import COLUMNS as PACKED_COLUMNS
+from kvsteward.synth.packed import packed_row
 from kvsteward.synth.rng import rng
 from kvsteward.synth.tokens import PieceTokenizer, offsets
 from kvsteward.synth.trace import Trace
@@ -38,6 +42,7 @@ class HindsightConfig:
     main: bool = True
     seed: int = 0
     model: str = "smollm2"
+    pack: bool = False
 
     def validate(self) -> None:
         if self.every < 1:
@@ -57,6 +62,8 @@ def features():
         "messages": Value("string"), "open_cursors": Sequence(Value("int32")),
         "masked_cursors": Sequence(Value("int32")), "target": Value("string"), "blueprint": Value("string"),
         "label_source": Value("string"), "n_tokens": Value("int32"), "truncated": Value("bool"),
+        # packed rows only (empty elsewhere): see synth/packed.py
+        **{k: Sequence(Value("int32")) for k in PACKED_COLUMNS},
     })
 
 
@@ -64,7 +71,8 @@ def _row(trace: Trace, kind: str, step: int, ids: list[int], labels: list[int], 
     row = {"task_id": trace.task_id, "split": trace.split, "kind": kind, "is_aux": kind != "main", "step": step,
            "input_ids": ids, "labels": labels, "messages": json.dumps(messages, ensure_ascii=False),
            "open_cursors": [], "masked_cursors": [], "target": "", "blueprint": "",
-           "label_source": trace.label_source, "n_tokens": len(ids), "truncated": False}
+           "label_source": trace.label_source, "n_tokens": len(ids), "truncated": False,
+           **{k: [] for k in PACKED_COLUMNS}}
     row.update(extra)
     return row
 
@@ -96,11 +104,8 @@ def aux_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[
 
 
 def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.AuxContext) -> list[dict] | None:
-    kinds = [("delete", hs.delete_trigger(ctx.open_cursors), hs.delete_target(ctx.open_cursors, trace, ctx.boundary))]
-    if cfg.plan:
-        kinds.append(("plan", hs.PLAN_TRIGGER, hs.plan_target(ctx.open_cursors, trace, ctx.boundary)))
     out = []
-    for kind, trigger, target in kinds:
+    for kind, trigger, target in hs.calls(trace, ctx, cfg.plan):
         msgs = hs.with_trigger(ctx, trigger, target)
         ids, labels, _ = ptok.tokenize(msgs, {len(msgs) - 1})
         if len(ids) > cfg.max_tokens:
@@ -108,6 +113,18 @@ def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.Au
         out.append(_row(trace, kind, ctx.boundary, ids, labels, msgs, open_cursors=ctx.open_cursors,
                         masked_cursors=ctx.masked, target=hs.target_text(target)))
     return out
+
+
+def pack_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[list[dict], int]:
+    """([the packed row], 0), or ([], 1) when it is longer than `max_tokens` ([], 0 without any boundary)."""
+    p = packed_row(trace, ptok, cfg.every, cfg.mask_prob, cfg.seed, cfg.plan)
+    if p is None:
+        return [], 0
+    if len(p["input_ids"]) > cfg.max_tokens:
+        return [], 1
+    return [_row(trace, "packed", len(trace.messages), p["input_ids"], p["labels"], trace.messages,
+                 open_cursors=trace.cursors(), masked_cursors=sorted(p["dropped_at"]), target=json.dumps(p["calls"]),
+                 **{k: p[k] for k in PACKED_COLUMNS})], 0
 
 
 def build_rows(traces: list[Trace], tokenizer, cfg: HindsightConfig,
@@ -119,9 +136,9 @@ def build_rows(traces: list[Trace], tokenizer, cfg: HindsightConfig,
     for n, t in enumerate(traces, start=1):
         t.validate()
         lengths[t.task_id] = offsets(ptok.pieces(t.messages))[-1]
-        if cfg.main:
+        if cfg.main and not cfg.pack:
             rows.append(main_row(t, ptok, cfg.max_tokens))
-        aux, sk = aux_rows(t, ptok, cfg)
+        aux, sk = pack_rows(t, ptok, cfg) if cfg.pack else aux_rows(t, ptok, cfg)
         rows.extend(aux)
         skipped[t.split] += sk
         if progress:
@@ -148,17 +165,16 @@ def card(traces: list[Trace], dd, skipped: dict[str, int], cfg: HindsightConfig,
          trace_tokens: dict[str, int]) -> dict[str, Any]:
     """Statistics for the dataset card: tokens and cursors per trace, label balance, label sources."""
     pos = neg = empty = n_del = 0
-    for s in SPLITS:
-        for kind, oc, tgt in zip(dd[s]["kind"], dd[s]["open_cursors"], dd[s]["target"], strict=True):
-            if kind == "delete":
-                k = len(json.loads(tgt)["del_cursors"])
-                pos, neg, n_del, empty = pos + k, neg + len(oc) - k, n_del + 1, empty + (k == 0)
+    for oc, tgt in _delete_calls(dd):
+        k = len(json.loads(tgt)["del_cursors"])
+        pos, neg, n_del, empty = pos + k, neg + len(oc) - k, n_del + 1, empty + (k == 0)
     toks = list(trace_tokens.values()) or [0]
     curs = [len(t.cursors()) for t in traces] or [0]
     return {
         "source_traces": source, "config": asdict(cfg),
         "traces": {s: sum(t.split == s for t in traces) for s in SPLITS},
         "rows": {s: dict(Counter(dd[s]["kind"])) for s in SPLITS},
+        "packed_calls": {s: dict(_calls(dd, s)) for s in SPLITS},
         "skipped_too_long": skipped,
         "tokens_per_trace": {"mean": statistics.mean(toks), "median": statistics.median(toks), "min": min(toks),
                              "max": max(toks)},
@@ -170,6 +186,25 @@ def card(traces: list[Trace], dd, skipped: dict[str, int], cfg: HindsightConfig,
     }
 
 
+def _delete_calls(dd):
+    """(open cursors, target text) of every deletion call: delete rows and the delete branches of packed rows."""
+    for s in SPLITS:
+        for kind, oc, tgt in zip(dd[s]["kind"], dd[s]["open_cursors"], dd[s]["target"], strict=True):
+            if kind == "delete":
+                yield oc, tgt
+            elif kind == "packed":
+                yield from ((c["open_cursors"], c["target"]) for c in json.loads(tgt) if c["kind"] == "delete")
+
+
+def _calls(dd, split: str) -> Counter:
+    """Auxiliary calls per kind in `split`, counting the branches of packed rows."""
+    n = Counter()
+    for kind, tgt in zip(dd[split]["kind"], dd[split]["target"], strict=True):
+        if kind == "packed":
+            n.update(c["kind"] for c in json.loads(tgt))
+    return n
+
+
 def card_markdown(c: dict[str, Any]) -> str:
     src = ", ".join(f"{k}: {v} traces" for k, v in c["label_sources"].items())
     lines = [
@@ -177,11 +212,13 @@ def card_markdown(c: dict[str, Any]) -> str:
         f"Built from `{c['source_traces']}`. Label sources — {src}. `oracle` labels come from the generator's "
         "provenance (exact); `planner:*` labels come from a dependency-extraction planner (see docs/synth.md for "
         "their measured precision / recall).", "",
-        "| split | traces | main | delete | plan | skipped (too long) |", "|---|---|---|---|---|---|",
+        "| split | traces | main | delete | plan | packed (delete / plan calls) | skipped (too long) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in SPLITS:
-        r = c["rows"][s]
+        r, pc = c["rows"][s], c.get("packed_calls", {}).get(s, {})
         lines.append(f"| {s} | {c['traces'][s]} | {r.get('main', 0)} | {r.get('delete', 0)} | {r.get('plan', 0)} | "
+                     f"{r.get('packed', 0)} ({pc.get('delete', 0)} / {pc.get('plan', 0)}) | "
                      f"{c['skipped_too_long'].get(s, 0)} |")
     t, k, lb = c["tokens_per_trace"], c["cursors_per_trace"], c["label_balance"]
     lines += ["", f"Tokens per trace: mean {t['mean']:.0f}, median {t['median']:.0f}, min {t['min']}, max {t['max']}.",

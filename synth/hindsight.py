@@ -99,5 +99,38 @@ def aux_context(trace: Trace, boundary: int, r: random.Random, mask_prob: float,
     return AuxContext(boundary, msgs, open_cursors, masked)
 
 
+def calls(trace: Trace, ctx: AuxContext, plan: bool) -> list[tuple[str, str, dict]]:
+    """(kind, trigger, target) of each auxiliary call at ctx.boundary: the deletion call, and the plan call if asked."""
+    out = [("delete", delete_trigger(ctx.open_cursors), delete_target(ctx.open_cursors, trace, ctx.boundary))]
+    if plan:
+        out.append(("plan", PLAN_TRIGGER, plan_target(ctx.open_cursors, trace, ctx.boundary)))
+    return out
+
+
 def with_trigger(ctx: AuxContext, trigger: str, target: dict) -> list[dict[str, Any]]:
     return ctx.messages + [{"role": "user", "content": trigger}, {"role": "assistant", "content": target_text(target)}]
+
+
+def drop_schedule(trace: Trace, bounds: list[int], r: random.Random,
+                  mask_prob: float) -> tuple[list[AuxContext], dict[int, int]]:
+    """One consistent deletion history over all `bounds`, for packed rows (one row per trace, every boundary).
+
+    Walks the boundaries in order, as the serving loop does: at b the context holds every cursor not dropped before
+    b; the deletion target is the expired ones among them; after the call each target cursor is dropped with
+    probability `mask_prob` (a manager that sometimes defers a deletion), else it stays open and is a target again
+    at the next boundary. Unlike `aux_context`'s independent draw per boundary, a cursor dropped at b is gone from
+    every later boundary and from every later main-trace step. Returns (context per boundary, cursor → boundary at
+    whose call it was dropped).
+    """
+    dropped_at: dict[int, int] = {}
+    contexts = []
+    for b in bounds:
+        if not 0 < b <= len(trace.messages):
+            raise ValueError(f"boundary {b} outside the trace of {len(trace.messages)} messages")
+        msgs = [m for i, m in enumerate(trace.messages[:b]) if i not in dropped_at]
+        open_cursors = [c for c in trace.cursors() if c < b and c not in dropped_at]
+        contexts.append(AuxContext(b, msgs, open_cursors, sorted(dropped_at)))
+        for c in delete_target(open_cursors, trace, b)["del_cursors"]:
+            if r.random() < mask_prob:
+                dropped_at[c] = b
+    return contexts, dropped_at

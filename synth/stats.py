@@ -94,7 +94,8 @@ def dataset_stats(ds_dir: str | Path, traces: str | Path | None = None, check_to
     for split in SPLITS:
         if split not in dd or len(dd[split]) == 0:  # select_columns fails on an empty split
             continue
-        cols = dd[split].select_columns(["task_id", "kind", "step", "messages", "n_tokens", "labels", "target"])
+        cols = dd[split].select_columns(["task_id", "kind", "step", "messages", "n_tokens", "labels", "target"]
+                                        + (["segment"] if "segment" in dd[split].column_names else []))
         for row in cols:
             kinds[row["kind"]] += 1
             lengths.append(row["n_tokens"])
@@ -102,6 +103,9 @@ def dataset_stats(ds_dir: str | Path, traces: str | Path | None = None, check_to
                 errs["unknown_task"] += 1
                 continue
             seen.add(row["task_id"])
+            if row["kind"] == "packed":
+                errs += _packed_errors(row, last[row["task_id"]], decode)
+                continue
             if row["kind"] == "delete":
                 errs += delete_row_errors(json.loads(row["messages"]), row["step"], last[row["task_id"]])
             if decode and row["kind"] != "main" and not _labels_spell_target(decode, row["labels"], row["target"]):
@@ -109,7 +113,7 @@ def dataset_stats(ds_dir: str | Path, traces: str | Path | None = None, check_to
     cursors = [len(last[t]) for t in seen]
     return {
         "splits": {s: len(dd[s]) if s in dd else 0 for s in SPLITS},
-        "aux_delete": kinds["delete"], "aux_plan": kinds["plan"], "main": kinds["main"],
+        "aux_delete": kinds["delete"], "aux_plan": kinds["plan"], "main": kinds["main"], "packed": kinds["packed"],
         "mean_tokens": sum(lengths) / max(len(lengths), 1), "max_tokens": max(lengths, default=0),
         "mean_cursors": sum(cursors) / max(len(cursors), 1),
         "label_errors": sum(errs[k] for k in _ERROR_KINDS),
@@ -118,6 +122,23 @@ def dataset_stats(ds_dir: str | Path, traces: str | Path | None = None, check_to
 
 
 _ERROR_KINDS = ("harmful", "missed", "invalid", "format", "unknown_task", "label_tokens")
+
+
+def _packed_errors(row: dict, last: dict[int, int], decode) -> Counter:
+    """A packed row's calls, each checked as the per-boundary row it stands for (its context rebuilt from the
+    trace and the cursors dropped before it), and each branch's labelled tokens against its target."""
+    from kvsteward.synth.packed import call_messages
+
+    errs: Counter = Counter()
+    messages = json.loads(row["messages"])
+    for call in json.loads(row["target"]):
+        if call["kind"] == "delete":
+            errs += delete_row_errors(call_messages(messages, call), call["boundary"], last)
+        if decode:
+            labels = [t for t, s in zip(row["labels"], row["segment"], strict=True) if s == call["segment"]]
+            if not _labels_spell_target(decode, labels, call["target"]):
+                errs["label_tokens"] += 1
+    return errs
 
 
 def _label_decoder(ds_dir: Path):

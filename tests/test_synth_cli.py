@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections import Counter
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -36,6 +37,21 @@ def test_traces_hindsight_stats_contract(traces_dir, tmp_path):
     assert stats["label_errors"] == 0 and stats["main"] == 10 and stats["aux_delete"] > 0
     assert stats["max_tokens"] <= 4096 and isinstance(stats["mean_tokens"], float)
     assert sum(stats["splits"].values()) == stats["main"] + stats["aux_delete"] + stats["aux_plan"]
+
+
+def test_packed_hindsight_stats(traces_dir, tmp_path):
+    card = json.loads(_ok(["synth", "hindsight", str(traces_dir), "--every", "2", "--pack", "--max-tokens", "100000",
+                           "--out", str(tmp_path / "ds"), "--json"]))
+    from kvsteward.synth.hindsight import boundaries
+    from kvsteward.synth.trace import read_traces
+
+    with_calls = Counter(t.split for t in read_traces(traces_dir) if boundaries(t, 2))  # one packed row each
+    assert {s: r.get("packed", 0) for s, r in card["rows"].items()} == {s: with_calls[s] for s in card["rows"]}
+    assert all(set(r) <= {"packed"} for r in card["rows"].values()) and sum(with_calls.values()) >= 5
+    assert card["label_balance"]["delete_rows"] == sum(c.get("delete", 0) for c in card["packed_calls"].values())
+    assert sum(c.get("plan", 0) for c in card["packed_calls"].values()) == card["label_balance"]["delete_rows"]
+    stats = json.loads(_ok(["synth", "stats", str(tmp_path / "ds"), "--json"]))
+    assert stats["packed"] == sum(with_calls.values()) and stats["label_errors"] == 0 and stats["main"] == 0
 
 
 def test_export_import_with_lexical_planner(traces_dir, tmp_path):

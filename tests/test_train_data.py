@@ -17,11 +17,27 @@ def test_collator_pads_labels_with_ignore_and_keeps_is_aux():
             {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, -100, -100, 10, 11], "is_aux": False, "kind": "main",
              "messages": "[]"}]
     batch = Collator(pad_id=2)(rows)
-    assert set(batch) == {"input_ids", "labels", "attention_mask", "is_aux"}
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "is_aux", "aux_tokens"}
     assert batch["input_ids"].tolist() == [[4, 5, 6, 2, 2], [7, 8, 9, 10, 11]]
     assert batch["labels"].tolist() == [[-100, 5, 6, -100, -100], [-100, -100, -100, 10, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
     assert batch["is_aux"].dtype == torch.bool and batch["is_aux"].tolist() == [True, False]
+    assert batch["aux_tokens"].int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def test_collator_mixes_packed_and_plain_rows():
+    """A packed row gets its tree mask, positions and branch-only CE tokens; a plain row in the same batch gets a
+    causal mask over its own tokens, positions 0..n−1, and CE on every label iff it is an aux row."""
+    packed = {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, -100, 4, 5], "is_aux": True,
+              "position_ids": [0, 1, 2, 3, 2], "segment": [0, 0, 1, 1, 0], "time": [0, 0, 1, 1, 2],
+              "expire": [2, 2, 2**30, 2**30, 2**30]}
+    plain = {"input_ids": [7, 8, 9], "labels": [-100, 8, 9], "is_aux": False}
+    batch = Collator(pad_id=0)([packed, plain])
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
+    assert batch["aux_tokens"].int().tolist() == [[0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+    m = batch["attention_mask"][:, 0].int().tolist()
+    assert m[0] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]]
+    assert m[1] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]
 
 
 def test_collator_rejects_misaligned_labels():

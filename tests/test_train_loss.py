@@ -83,6 +83,30 @@ def test_kl_is_exactly_zero_at_step0_and_teacher_is_pristine_base(tmp_path):
     assert torch.allclose(teacher, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_teacher_sharing_the_frozen_lower_layers_is_the_pristine_base(tmp_path, share):
+    """LoRA on the top layer only: the teacher starts from the student's input to that layer (share_trunk) and
+    must still equal the untouched base model on padded rows, after training has moved the adapter."""
+    base, pristine = tiny_model(seed=0), tiny_model(seed=0)
+    cfg = LoraRunConfig(data="-", out=str(tmp_path), rank=8, alpha=16, dropout=0.1, max_steps=3, lr=2e-2,
+                        batch_size=4, save_steps=1000, top_layers=1)
+    model = wrap_lora(base, cfg)
+    ds = random_ids_dataset(rows=40, seed=1)["train"]
+    trainer = StewardTrainer(model=model, args=training_args(cfg, tmp_path / "ck"), train_dataset=ds,
+                             data_collator=Collator(pad_id=0), share_trunk=share)
+    trainer.train()
+    batch = _mixed_batch(ds)
+    assert batch["attention_mask"].min() == 0  # padded rows: the kept mask must follow the selected rows
+    main = ~batch["is_aux"]
+    with torch.no_grad():
+        trainer._hidden(model, batch["input_ids"], batch["attention_mask"], catch_trunk=share)
+        assert (trainer._trunk is not None) == share
+        teacher = trainer._head()(trainer._teacher_hidden(model, batch, main))[main]
+        ref = pristine(input_ids=batch["input_ids"][main], attention_mask=batch["attention_mask"][main]).logits
+    valid = batch["attention_mask"][main].bool()
+    assert torch.allclose(teacher[valid], ref[valid], atol=1e-5)
+
+
 def test_only_lora_params_get_grads(tmp_path):
     trainer, model, _, ds = _trainer(tmp_path)
     loss = trainer.compute_loss(model, _mixed_batch(ds))

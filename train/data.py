@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from kvsteward.synth.packed import COLUMNS as PACKED
+from kvsteward.synth.packed import NEVER
 from kvsteward.train.loss import IGNORE
 
 REQUIRED = ("input_ids", "labels", "is_aux")
@@ -79,9 +81,31 @@ def fit_length(ds: Dataset, max_len: int) -> tuple[Dataset, Counter, int]:
     return kept, dropped, len(long_main & kept_ids)
 
 
+
+
+def tree_mask(segment: torch.Tensor, time: torch.Tensor, expire: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool attention mask of packed rows (True = may attend); the rules are in `synth/packed.py`.
+
+    Query q sees key k iff k ≤ q, k is not padding, k is on the trunk or on q's own branch, and q's time is before
+    k's expiry. Padding queries see themselves only (no all-masked softmax row).
+    """
+    t = segment.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment.device).tril()
+    seg_q, seg_k = segment[:, :, None], segment[:, None, :]
+    same_branch = (seg_k == 0) | (seg_k == seg_q)
+    alive = time[:, :, None] < expire[:, None, :]
+    mask = causal & same_branch & alive & valid[:, None, :] & valid[:, :, None]
+    mask |= torch.eye(t, dtype=torch.bool, device=segment.device) & ~valid[:, :, None]
+    return mask[:, None]
+
+
 @dataclass
 class Collator:
     """Right-pads `input_ids` (pad id), `labels` (−100) and `attention_mask` (0); keeps `is_aux` as a bool tensor.
+
+    `aux_tokens` marks the tokens whose labels are CE targets: every labelled token of an aux row, the branch
+    tokens of a packed row (its trunk labels are the KL mask, as a main row's). A batch with a packed row gets a
+    4-D `attention_mask` (`tree_mask`) and `position_ids`; other rows in it get plain causal masks.
 
     Other columns (kind, messages, ...) are dropped here, which is why the Trainer runs with
     `remove_unused_columns=False`: its own column filter would remove `is_aux` before this sees it.
@@ -102,4 +126,27 @@ class Collator:
             labels[i, :n] = torch.as_tensor(r["labels"], dtype=torch.long)
             mask[i, :n] = 1
         is_aux = torch.tensor([bool(r["is_aux"]) for r in rows], dtype=torch.bool)
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask, "is_aux": is_aux}
+        out = {"input_ids": ids, "labels": labels, "attention_mask": mask, "is_aux": is_aux,
+               "aux_tokens": (labels != IGNORE) & is_aux[:, None]}
+        if any(r.get("segment") for r in rows):
+            out.update(self._packed(rows, width, mask.bool(), labels))
+        return out
+
+    @staticmethod
+    def _packed(rows: list[dict], width: int, valid: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        cols = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in PACKED}
+        cols["expire"].fill_(NEVER)
+        cols["position_ids"][:] = torch.arange(width)  # unpacked rows and padding: plain positions
+        for i, r in enumerate(rows):
+            if not r.get("segment"):
+                continue
+            n = len(r["input_ids"])
+            for k in PACKED:
+                if len(r[k]) != n:
+                    raise DataError(f"row {i}: {n} input_ids but {len(r[k])} {k}")
+                cols[k][i, :n] = torch.as_tensor(r[k], dtype=torch.long)
+        packed = torch.tensor([bool(r.get("segment")) for r in rows])
+        aux = (labels != IGNORE) & torch.where(packed[:, None], cols["segment"] > 0,
+                                               torch.tensor([bool(r["is_aux"]) for r in rows])[:, None])
+        return {"attention_mask": tree_mask(cols["segment"], cols["time"], cols["expire"], valid),
+                "position_ids": cols["position_ids"], "aux_tokens": aux}

@@ -30,12 +30,13 @@ def _jsd():
 
 
 def target_positions(labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(batch index, position, target token) of every labelled token in `rows`, shifted for next-token prediction.
+    """(batch index, position, target token) of every labelled token selected by `rows` — a (B,) row mask or a
+    (B, T) token mask aligned with `labels` — shifted for next-token prediction.
 
     The distribution that predicts token j is read at position j−1, so label j (≠ −100, j ≥ 1) maps to (b, j−1).
     """
     shifted = labels[:, 1:]
-    mask = (shifted != IGNORE) & rows[:, None]
+    mask = (shifted != IGNORE) & (rows[:, None] if rows.dim() == 1 else rows[:, 1:])
     b, t = mask.nonzero(as_tuple=True)
     return b, t, shifted[b, t]
 

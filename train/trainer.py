@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from kvsteward.train.loss import ce_sum, kl_sum, target_positions
+from kvsteward.train.loss import IGNORE, ce_sum, kl_sum, target_positions
 
 
 class HeadMismatchError(RuntimeError):
@@ -22,7 +22,7 @@ class StewardTrainer(Trainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, lambda_kl: float = 1.0, tile_rows: int = 1024, kl_temperature: float = 1.0,
-                 **kwargs):
+                 share_trunk: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if lambda_kl < 0:
             raise ValueError(f"lambda_kl must be ≥ 0, got {lambda_kl}")
@@ -32,26 +32,45 @@ class StewardTrainer(Trainer):
         self.tile_rows = tile_rows
         self.kl_temperature = kl_temperature
         self._head_checked = False
+        self._first_adapted: int | None = None
+        self._trunk: tuple[torch.Tensor, dict] | None = None
+        # Sharing the frozen lower layers with the teacher is exact only if nothing in them is random.
+        cfg = self._peft().config
+        self._share_trunk = share_trunk and not getattr(cfg, "attention_dropout", 0.0) and \
+            not getattr(cfg, "hidden_dropout", 0.0)
         # Running sums over the current logging window: [ce sum, ce batches, kl sum, kl batches] (kept on device,
         # no per-step host sync).
         self._window: torch.Tensor | None = None
         self.last_parts: dict[str, float] = {}
 
     # -- forward passes -------------------------------------------------------------------------------------------
-    def _hidden(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None, catch_trunk: bool = False) -> torch.Tensor:
         """Final (post-norm) hidden states, caught at the decoder's output by a hook.
 
         The model runs whole (so DeepSpeed's engine and hooks see an ordinary forward) but computes logits for the
         last position only; `output_hidden_states` would instead keep every layer's states alive, which for the
-        no-grad teacher is pure waste.
+        no-grad teacher is pure waste. A 4-D boolean mask (packed rows) becomes an additive one in the model's dtype,
+        which every attention implementation reads the same way (eager adds it; SDPA accepts it).
         """
+        if attention_mask.dim() == 4:
+            dtype = self._head().weight.dtype
+            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
+                ~attention_mask.bool(), torch.finfo(dtype).min)
         caught: list[torch.Tensor] = []
         decoder = self._peft().get_base_model().get_decoder()
-        handle = decoder.register_forward_hook(lambda _m, _i, out: caught.append(out[0]))
+        handles = [decoder.register_forward_hook(lambda _m, _i, out: caught.append(out[0]))]
+        first = self._first_adapted_layer()
+        if catch_trunk and first:  # the student's input to the lowest adapted layer, for the teacher to reuse
+            def keep(_m, args, kwargs):
+                self._trunk = (args[0].detach() if args else kwargs["hidden_states"].detach(), kwargs)
+            handles.append(decoder.layers[first].register_forward_pre_hook(keep, with_kwargs=True))
         try:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=1, use_cache=False)
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
         hidden = caught[-1]
         if not self._head_checked:
             self._check_head(hidden, out.logits)
@@ -72,33 +91,75 @@ class StewardTrainer(Trainer):
     def _head(self):
         return self._peft().get_output_embeddings()
 
+    def _first_adapted_layer(self) -> int:
+        """Index of the lowest decoder layer with LoRA weights (0 when every layer has them)."""
+        if self._first_adapted is None:
+            layers = self._peft().get_base_model().get_decoder().layers
+            adapted = [i for i, layer in enumerate(layers) if any("lora_" in n for n, _ in layer.named_parameters())]
+            self._first_adapted = min(adapted, default=0)
+        return self._first_adapted
+
     def _teacher_hidden(self, model, inputs: dict, main_rows: torch.Tensor) -> torch.Tensor:
-        """Teacher hidden states for the main rows (or row 0 when there is none: the call itself must happen)."""
+        """Teacher hidden states for the main rows (or row 0 when there is none: the call itself must happen).
+
+        With LoRA on the top layers only (`--top-layers`), the layers below compute the same function with the
+        adapter on or off, so the teacher starts from the student's input to the lowest adapted layer (kept by
+        `_hidden(catch_trunk=True)`) and runs only the layers above it: the teacher's cost drops by the share of
+        frozen layers. Exact only without dropout in the shared layers, which is checked on the config.
+        """
         sel = main_rows.nonzero(as_tuple=True)[0]
         if sel.numel() == 0:
             sel = torch.zeros(1, dtype=torch.long, device=main_rows.device)
         peft = self._peft()
         was_training = peft.training
         peft.eval()  # the teacher is the deterministic base model: no dropout
+        trunk, self._trunk = self._trunk, None
         try:
             with torch.no_grad(), peft.disable_adapter():
-                hidden = self._hidden(model, inputs["input_ids"][sel], inputs["attention_mask"][sel])
+                if trunk is not None:
+                    hidden = self._upper_layers(trunk, sel, main_rows.shape[0])
+                else:
+                    pos = inputs.get("position_ids")
+                    hidden = self._hidden(model, inputs["input_ids"][sel], inputs["attention_mask"][sel],
+                                          None if pos is None else pos[sel])
         finally:
             peft.train(was_training)
         full = hidden.new_zeros((main_rows.shape[0],) + hidden.shape[1:])
         full[sel] = hidden
         return full
 
+    def _upper_layers(self, trunk: tuple[torch.Tensor, dict], sel: torch.Tensor, batch: int) -> torch.Tensor:
+        """The decoder from the lowest adapted layer up (and its final norm), on the kept input of rows `sel`."""
+        hidden, kwargs = trunk
+
+        def rows(x):  # per-row tensors follow `sel`; broadcast ones (batch dim 1) and non-tensors pass as they are
+            if isinstance(x, tuple):
+                return tuple(rows(t) for t in x)
+            return x[sel] if torch.is_tensor(x) and x.dim() and x.shape[0] == batch and batch > 1 else x
+
+        kw = {k: rows(v) for k, v in kwargs.items()}
+        h = hidden[sel]
+        decoder = self._peft().get_base_model().get_decoder()
+        for layer in decoder.layers[self._first_adapted_layer():]:
+            h = layer(h, **kw)
+            h = h[0] if isinstance(h, tuple) else h
+        return decoder.norm(h)
+
     # -- loss -----------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels, is_aux = inputs["labels"], inputs["is_aux"].bool()
-        student = self._hidden(model, inputs["input_ids"], inputs["attention_mask"])
-        teacher = self._teacher_hidden(model, inputs, ~is_aux)
+        labels = inputs["labels"]
+        aux = inputs.get("aux_tokens")
+        if aux is None:  # a batch from another collator: every labelled token of an is_aux row is a CE target
+            aux = (labels != IGNORE) & inputs["is_aux"].bool()[:, None]
+        main = (labels != IGNORE) & ~aux  # the KL mask: main rows, and the trunk of packed rows
+        student = self._hidden(model, inputs["input_ids"], inputs["attention_mask"], inputs.get("position_ids"),
+                               catch_trunk=self._share_trunk)
+        teacher = self._teacher_hidden(model, inputs, main.any(dim=1))
         head = self._head()
 
-        ab, at, ay = target_positions(labels, is_aux)
+        ab, at, ay = target_positions(labels, aux)
         ce = ce_sum(head, student[ab, at], ay, self.tile_rows) / max(ab.numel(), 1)
-        mb, mt, _ = target_positions(labels, ~is_aux)
+        mb, mt, _ = target_positions(labels, main)
         kl = kl_sum(head, student[mb, mt], teacher[mb, mt], self.tile_rows, self.kl_temperature)
         kl = kl / max(mb.numel(), 1)
         # `+ 0·sum(student)` keeps every trainable parameter in the graph when a batch has no labelled token at all.
