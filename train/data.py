@@ -81,8 +81,6 @@ def fit_length(ds: Dataset, max_len: int) -> tuple[Dataset, Counter, int]:
     return kept, dropped, len(long_main & kept_ids)
 
 
-
-
 def tree_mask(segment: torch.Tensor, time: torch.Tensor, expire: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool attention mask of packed rows (True = may attend); the rules are in `synth/packed.py`.
 
@@ -129,11 +127,12 @@ class Collator:
         out = {"input_ids": ids, "labels": labels, "attention_mask": mask, "is_aux": is_aux,
                "aux_tokens": (labels != IGNORE) & is_aux[:, None]}
         if any(r.get("segment") for r in rows):
-            out.update(self._packed(rows, width, mask.bool(), labels))
+            out.update(self._packed(rows, width, mask.bool(), labels, is_aux))
         return out
 
     @staticmethod
-    def _packed(rows: list[dict], width: int, valid: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _packed(rows: list[dict], width: int, valid: torch.Tensor, labels: torch.Tensor,
+                is_aux: torch.Tensor) -> dict[str, torch.Tensor]:
         cols = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in PACKED}
         cols["expire"].fill_(NEVER)
         cols["position_ids"][:] = torch.arange(width)  # unpacked rows and padding: plain positions
@@ -146,7 +145,6 @@ class Collator:
                     raise DataError(f"row {i}: {n} input_ids but {len(r[k])} {k}")
                 cols[k][i, :n] = torch.as_tensor(r[k], dtype=torch.long)
         packed = torch.tensor([bool(r.get("segment")) for r in rows])
-        aux = (labels != IGNORE) & torch.where(packed[:, None], cols["segment"] > 0,
-                                               torch.tensor([bool(r["is_aux"]) for r in rows])[:, None])
+        aux = (labels != IGNORE) & torch.where(packed[:, None], cols["segment"] > 0, is_aux[:, None])
         return {"attention_mask": tree_mask(cols["segment"], cols["time"], cols["expire"], valid),
                 "position_ids": cols["position_ids"], "aux_tokens": aux}
