@@ -28,6 +28,15 @@ from kvsteward.synth.hindsight import PLAN_TRIGGER, boundaries, expired, future_
 from kvsteward.synth.trace import Trace
 
 ANSWER_PREFIX = "Final answer: "
+HARM_KINDS = ("next_step", "final_answer", "later_step")
+
+
+def harm_kind(trace: Trace, cursor: int, boundary: int) -> str:
+    """Why deleting `cursor` at `boundary` is harmful: which step reads it next (it must read it at or after b)."""
+    nxt = min(s for s in trace.readers()[cursor] if s >= boundary)
+    if nxt == boundary:  # (also when that step is the final answer: the step right there reads it)
+        return "next_step"
+    return "final_answer" if nxt == len(trace.messages) - 1 else "later_step"
 
 
 @dataclass
@@ -36,6 +45,9 @@ class Tally:
     fp: int = 0
     fn: int = 0
     harmful: int = 0
+    # harmful deletions by the cursor's next reader: the step right after the boundary, the final answer, or another
+    # later step (`harm_kind`): where a manager's mistakes come from
+    harmful_by_reader: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HARM_KINDS, 0))
     deleted: int = 0
     calls: int = 0
     parse_fail: int = 0
@@ -106,7 +118,10 @@ def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, ta
             tally.fp += len(got - want)
             tally.fn += len(want - got)
             tally.deleted += len(got)
-            tally.harmful += sum(last_use[c] >= i for c in got)
+            harmful = [c for c in got if last_use[c] >= i]
+            tally.harmful += len(harmful)
+            for c in harmful:
+                tally.harmful_by_reader[harm_kind(trace, c, i)] += 1
             if got:
                 s.drop([j for c in sorted(got) for j in range(starts[c], starts[c + 1])])
                 deleted |= got
@@ -164,7 +179,7 @@ def summarize(t: Tally, ref: Tally) -> dict:
            "answer_acc": sum(t.correct) / len(t.correct), "answer_acc_delta": (sum(t.correct) - sum(ref.correct))
            / len(t.correct), "answer_nll": mean(t.answer_nll),
            "answer_nll_delta": mean(t.answer_nll) - mean(ref.answer_nll), "aux_calls": t.calls,
-           "deleted": t.deleted, "harmful": t.harmful}
+           "deleted": t.deleted, "harmful": t.harmful, "harmful_by_reader": dict(t.harmful_by_reader)}
     if t.plan_calls:
         out.update({"plan_edge_recall": _ratio(t.plan_tp, t.plan_tp + t.plan_fn),
                     "plan_edge_precision": _ratio(t.plan_tp, t.plan_tp + t.plan_fp),
@@ -173,8 +188,10 @@ def summarize(t: Tally, ref: Tally) -> dict:
 
 
 def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
-             plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None) -> dict:
-    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces."""
+             plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
+             close_bias: float = 0.0) -> dict:
+    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
+    `close_bias`: the serving knob `AuxConfig.close_bias` (nats toward closing the deletion list), for both arms."""
     tok = engine.tokenizer
     tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
     for k, trace in enumerate(traces):
@@ -183,7 +200,7 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
             use = arm == "adapter"
 
             def decide(s, msgs, open_c, use=use):
-                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use)
+                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=close_bias)
 
             replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
         if progress:
@@ -194,4 +211,4 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
             "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
                              "peak_tokens": sum(ref.peak),
                              "kv_reads": sum(ref.kv_reads)},
-            "n_traces": len(traces), "every": every}
+            "n_traces": len(traces), "every": every, "close_bias": close_bias}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -130,6 +131,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
+            close_bias: float = typer.Option(0.0, help="nats added to closing the deletion list (serving's "
+                                                       "--aux-close-bias): > 0 deletes less, fewer harmful deletions"),
             mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
@@ -149,7 +152,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
     arms = ("base", "adapter") if adapter else ("base",)
-    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log)
+    if not math.isfinite(close_bias):
+        raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
+    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias)
     if mlflow_log:
         import mlflow
 
@@ -157,7 +162,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
-                               "every": every, "traces": len(trs)})
+                               "every": every, "traces": len(trs), "close_bias": close_bias})
             mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
                                 if isinstance(v, (int, float)) and v == v})
             mlflow.log_dict(result, "manager_eval.json")

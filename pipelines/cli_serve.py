@@ -41,6 +41,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           aux_max_wait: float = typer.Option(None, help="starvation bound (s): an aux step that waited this long "
                                                         "for main work runs between two main forwards (default: "
                                                         "the aux runs only in idle time)"),
+          aux_close_bias: float = typer.Option(0.0, help="nats added to closing the aux deletion list: > 0 deletes "
+                                                         "less and more surely (fewer harmful deletions)"),
           tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
@@ -68,13 +70,15 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                  f"got {spill_tier!r}")
     if aux_max_wait is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-max-wait needs a manager: --adapter DIR (or --aux-base for the base model)")
+    if aux_close_bias and adapter is None and not aux_base:
+        raise typer.BadParameter("--aux-close-bias needs a manager: --adapter DIR (or --aux-base for the base model)")
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
     if adapter is not None or aux_base:
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
-                        max_wait=aux_max_wait)
+                        max_wait=aux_max_wait, close_bias=aux_close_bias)
         try:
             aux.validate()
         except ValueError as e:

@@ -9,6 +9,8 @@ deletion to the main session as a `drop` at its next turn. The aux tokens never 
 
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors":` prefix; at each step
 only vocabulary tokens made of `0-9 , [ ] }` and space are candidates (a few hundred), each checked against it.
+`AuxConfig.close_bias` (`--aux-close-bias`) adds a constant to the candidates that close the list: fewer, surer
+deletions (a prefix of the greedy list).
 
 In the server (`SessionStore` with an `AuxConfig`): the store takes the fork inside the main turn, right after the
 boundary's tool message was appended and before the reply is generated (`fork_point`), and hands it to `AuxWorker`,
@@ -27,6 +29,7 @@ store turns a valid plan into the session's blueprint (`plan_blueprint`) at the 
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -114,6 +117,12 @@ def _candidates(tokenizer, alphabet: str = "".join(sorted(_ALPHABET))) -> tuple[
     return ids, texts
 
 
+def closing_tokens(tokenizer) -> list[int]:
+    """The deletion list's candidates that close it (their text holds `]`): where `close_bias` applies."""
+    ids, texts = _candidates(tokenizer)
+    return [i for i, t in zip(ids, texts, strict=True) if "]" in t]
+
+
 @dataclass
 class AuxDecision:
     del_cursors: list[int]
@@ -123,9 +132,10 @@ class AuxDecision:
     plan: PlanDecision | None = None  # `--aux-plan`: the same boundary's `Planning mode` decision
 
 
-def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64) -> AuxDecision:
+def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64,
+                            close_bias: float = 0.0) -> AuxDecision:
     """Greedy decode of the deletion list on `session` (already holding trigger + opener), constrained to open ids."""
-    return drive(_constrained_steps(session, tokenizer, open_ids, max_tokens))
+    return drive(_constrained_steps(session, tokenizer, open_ids, max_tokens, close_bias))
 
 
 def drive(steps: Generator[None, None, AuxDecision]) -> AuxDecision:
@@ -137,17 +147,25 @@ def drive(steps: Generator[None, None, AuxDecision]) -> AuxDecision:
             return stop.value
 
 
-def _constrained_steps(session: Session, tokenizer, open_ids: list[int],
-                       max_tokens: int) -> Generator[None, None, AuxDecision]:
-    """`constrained_del_cursors` as a generator: every resumption runs at most one model forward."""
+def _constrained_steps(session: Session, tokenizer, open_ids: list[int], max_tokens: int,
+                       close_bias: float = 0.0) -> Generator[None, None, AuxDecision]:
+    """`constrained_del_cursors` as a generator: every resumption runs at most one model forward.
+
+    `close_bias` (nats) is added to the logit of every candidate that closes the list (its text holds `]`: ` []`,
+    `]}`, ...). Only the choice "close here or list one more id" moves; the ranking among ids does not, so a higher
+    bias lists a prefix of what a lower one lists (the ids in decode order): it trades recall for precision, i.e.
+    fewer harmful deletions. 0 is plain greedy, the decode the manager was trained for."""
     allowed = frozenset(open_ids)
     cand_ids, cand_texts = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
+    bias = torch.tensor([close_bias if "]" in t else 0.0 for t in cand_texts]) if close_bias else None
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
     yield
     tail, used_tokens = "", 0
     for used_tokens in range(1, max_tokens + 1):  # noqa: B007 (the count is reported)
-        logits = session.last_logits[cand]
+        logits = session.last_logits[cand].float()
+        if bias is not None:
+            logits = logits + bias
         order = torch.argsort(logits, descending=True).tolist()
         for k in order:
             ok, done = valid_tail(tail + cand_texts[k], allowed)
@@ -198,7 +216,7 @@ def fork_point(messages: list[dict], first: int, every: int) -> int | None:
 
 
 def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int],
-              max_tokens: int = 64) -> Generator[None, None, AuxDecision]:
+              max_tokens: int = 64, close_bias: float = 0.0) -> Generator[None, None, AuxDecision]:
     """The aux thread on `fork` (a fork of the main session, adapter set by the caller) as a generator of steps:
     every resumption runs at most one model forward (trigger prefill, the forced opener, then one decoded token), so
     a scheduler can take the model lock per step and yield to main work in between. Returns the decision."""
@@ -206,17 +224,17 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield
-    return (yield from _constrained_steps(fork, tokenizer, open_cursors, max_tokens))
+    return (yield from _constrained_steps(fork, tokenizer, open_cursors, max_tokens, close_bias))
 
 
 def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,
-            use_adapter: bool = True) -> AuxDecision:
+            use_adapter: bool = True, close_bias: float = 0.0) -> AuxDecision:
     """Fork the main session, append the trigger (a user message) and the assistant opener, decode the deletion."""
     if not open_cursors:
         return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
     fork = main.fork(shared=True)  # reads the main K/V in place: no copy
     fork.config.use_adapter = use_adapter
-    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens))
+    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens, close_bias))
 
 
 # -- the planner (`Planning mode`): a blueprint for the foresight policy ----------------------------------------------
@@ -542,8 +560,11 @@ class AuxConfig:
     plan: bool = False  # also run `Planning mode` at each fork: its plan becomes the session's blueprint
     plan_max_tokens: int = 128  # decode budget of one `{"plan": [...]}` (running out = a parse failure)
     max_wait: float | None = None  # starvation bound in seconds (`Scheduler.max_aux_wait`); None: only idle time
+    close_bias: float = 0.0  # nats added to closing the deletion list (`_constrained_steps`): > 0 deletes less
 
     def validate(self) -> None:
+        if not math.isfinite(self.close_bias):
+            raise ValueError(f"aux close_bias must be a finite number of nats, got {self.close_bias}")
         if self.max_wait is not None and self.max_wait < 0:
             raise ValueError(f"aux max_wait must be >= 0 seconds, got {self.max_wait}")
         if self.every < 1:
@@ -658,7 +679,8 @@ class AuxWorker:
                 return
             # the planner's own shared fork of the boundary state, taken before the deletion decode writes `job.fork`
             plan_fork = job.fork.fork(shared=True) if self.config.plan and self.plan_hook is None else None
-            steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens)
+            steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens,
+                              self.config.close_bias)
             k, got = self._drive(sid, steps, 0)
             if got is None:
                 return

@@ -99,11 +99,18 @@ def aux_context(trace: Trace, boundary: int, r: random.Random, mask_prob: float,
     return AuxContext(boundary, msgs, open_cursors, masked)
 
 
+def trigger(kind: str, open_cursors: list[int]) -> str:
+    """The trigger message of an auxiliary call of `kind` ("delete" | "plan") over `open_cursors`."""
+    if kind not in ("delete", "plan"):
+        raise ValueError(f"aux call kind must be 'delete' or 'plan', got {kind!r}")
+    return delete_trigger(open_cursors) if kind == "delete" else PLAN_TRIGGER
+
+
 def calls(trace: Trace, ctx: AuxContext, plan: bool) -> list[tuple[str, str, dict]]:
     """(kind, trigger, target) of each auxiliary call at ctx.boundary: the deletion call, and the plan call if asked."""
-    out = [("delete", delete_trigger(ctx.open_cursors), delete_target(ctx.open_cursors, trace, ctx.boundary))]
+    out = [("delete", trigger("delete", ctx.open_cursors), delete_target(ctx.open_cursors, trace, ctx.boundary))]
     if plan:
-        out.append(("plan", PLAN_TRIGGER, plan_target(ctx.open_cursors, trace, ctx.boundary)))
+        out.append(("plan", trigger("plan", ctx.open_cursors), plan_target(ctx.open_cursors, trace, ctx.boundary)))
     return out
 
 

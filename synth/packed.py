@@ -82,5 +82,5 @@ def call_messages(messages: list[dict], call: dict) -> list[dict]:
     target), as a per-boundary row holds it: what `synth.stats` checks against hindsight."""
     gone = set(call["masked"])
     ctx = [m for i, m in enumerate(messages[:call["boundary"]]) if i not in gone]
-    trigger = hs.delete_trigger(call["open_cursors"]) if call["kind"] == "delete" else hs.PLAN_TRIGGER
-    return ctx + [{"role": "user", "content": trigger}, {"role": "assistant", "content": call["target"]}]
+    return ctx + [{"role": "user", "content": hs.trigger(call["kind"], call["open_cursors"])},
+                  {"role": "assistant", "content": call["target"]}]

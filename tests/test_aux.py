@@ -143,3 +143,33 @@ def test_serving_aux_context_is_the_training_row(engine, tok):
     first = next(i for i, t in enumerate(row["labels"]) if t != -100)
     forced = len(tok.encode(PREFIX, add_special_tokens=False))
     assert fork.tokens == row["input_ids"][:first + forced]
+
+
+def _decode_order(text: str) -> list[int]:
+    return json.loads(text)["del_cursors"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_close_bias_lists_a_prefix_of_the_greedy_list(engine, tok, seed):
+    """A bias toward closing only moves "close here or list one more id": each higher bias lists a prefix (in decode
+    order) of what a lower one lists; a huge bias deletes nothing, a huge negative one every open cursor."""
+    torch.manual_seed(100 + seed)
+    engine.model.lm_head.weight.data.normal_()
+    s = _main(engine, tok)
+    open_c = [2, 4]
+    lists = [_decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16, close_bias=b).text)
+             for b in (-1e4, -2.0, 0.0, 2.0, 1e4)]
+    assert sorted(lists[0]) == open_c
+    assert lists[-1] == []
+    for lower, higher in zip(lists, lists[1:], strict=False):
+        assert higher == lower[:len(higher)], (lower, higher)
+    # 0 is plain greedy: the default decode
+    assert lists[2] == _decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16).text)
+
+
+def test_close_bias_must_be_finite():
+    from kvsteward.serve.aux import AuxConfig
+
+    with pytest.raises(ValueError, match="close_bias"):
+        AuxConfig(close_bias=float("nan")).validate()
+    AuxConfig(close_bias=3.0).validate()

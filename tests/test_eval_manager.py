@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsteward.eval.manager import Tally, answer_prefix, replay, summarize
+from kvsteward.eval.manager import Tally, answer_prefix, harm_kind, replay, summarize
 from kvsteward.models import load_tokenizer, tiny_model
 from kvsteward.serve.aux import AuxDecision
 from kvsteward.serve.engine import Engine
@@ -44,6 +44,7 @@ def test_oracle_decider_scores_perfectly_and_reduces_memory(setup):
     t = _run(engine, traces, oracle)
     out = summarize(t, ref)
     assert out["f1"] == 1.0 and out["harmful_rate"] == 0.0 and out["parse_fail_rate"] == 0.0
+    assert out["harmful_by_reader"] == {"next_step": 0, "final_answer": 0, "later_step": 0}
     assert out["peak_tokens_reduction"] > 0 and out["kv_reads_reduction"] > 0
 
 
@@ -53,6 +54,9 @@ def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
     greedy = _run(engine, traces, lambda tr: lambda s, msgs, open_c: AuxDecision(list(open_c), "", 0))
     out = summarize(greedy, ref)
     assert out["recall"] == 1.0 and out["precision"] < 1.0 and out["harmful"] > 0
+    # the newest cursor is read by the step right after the boundary: deleting everything hits it at every call
+    by = out["harmful_by_reader"]
+    assert sum(by.values()) == out["harmful"] and by["next_step"] >= greedy.calls  # (+ detours)
     never = summarize(_run(engine, traces, lambda tr: lambda s, m, o: AuxDecision([], "", 0)), ref)
     assert never["recall"] == 0.0 and never["peak_tokens_reduction"] == 0.0 and never["kv_reads_reduction"] == 0.0
     assert never["answer_acc_delta"] == 0.0 and never["answer_nll_delta"] == 0.0
@@ -71,3 +75,38 @@ def test_answer_prefix_stops_where_the_value_must_be_recalled(setup):
         whole = tok.encode(prefix + answer, add_special_tokens=False)
         assert whole == tok.encode(prefix, add_special_tokens=False) + tok.encode(answer, add_special_tokens=False)
     assert answer_prefix("no value here", "X1") == ("Final answer:", " X1")
+
+
+def test_close_bias_reaches_the_decoder_through_evaluate(setup):
+    """`evaluate(close_bias=...)` drives the real constrained decoder: a huge bias toward closing the list deletes
+    nothing, a huge bias against it deletes every open cursor (recall 1)."""
+    from kvsteward.eval.manager import evaluate
+
+    engine, traces = setup
+    keep = evaluate(engine, traces, every=2, arms=("base",), close_bias=1e4)
+    assert keep["base"]["deleted"] == 0 and keep["close_bias"] == 1e4
+    purge = evaluate(engine, traces, every=2, arms=("base",), close_bias=-1e4)
+    assert purge["base"]["recall"] == 1.0 and purge["base"]["deleted"] > 0
+
+
+def test_harm_kind_names_the_next_reader(setup):
+    """Hand-checked against the trace's provenance: the newest cursor at a boundary is read by the step right there,
+    and a cursor read only by the final answer is a final-answer harm."""
+    _, traces = setup
+    seen = set()
+    for tr in traces:
+        readers = tr.readers()
+        for b in range(1, len(tr.messages)):
+            for c, steps in readers.items():
+                later = [x for x in steps if x >= b]
+                if c >= b or not later:
+                    continue
+                kind = harm_kind(tr, c, b)
+                seen.add(kind)
+                if later[0] == b:
+                    assert kind == "next_step"
+                elif later[0] == len(tr.messages) - 1:
+                    assert kind == "final_answer"
+                else:
+                    assert kind == "later_step"
+    assert {"next_step", "final_answer"} <= seen

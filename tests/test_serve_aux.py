@@ -169,6 +169,19 @@ def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tm
     assert r.status_code == 400
 
 
+def test_the_worker_decodes_with_the_configured_close_bias(engine, tmp_path):
+    """This module's model never favours `]` (it would list every open cursor); a close bias larger than that
+    handicap, set in the server's AuxConfig, must reach the worker's decode: the decision becomes "delete nothing"."""
+    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=2, max_tokens=16, use_adapter=False, close_bias=2e4))
+    c = TestClient(app)
+    sid = c.post("/v1/sessions", json={}).json()["id"]
+    for body in TURNS[:3]:
+        turn(c, sid, body)
+    assert app.state.store.worker.wait_idle(60)
+    pending = dict(live(app, sid).aux_pending)
+    assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [] and pending["text"].endswith(" []}")
+
+
 def test_a_pending_decision_survives_a_kill(engine, tmp_path):
     """A decision made after turn 2 and not yet applied is in the log (fsynced): a server started on the same data
     (the first one killed: nothing closed) applies it at the next turn exactly as an uninterrupted server does."""
@@ -317,9 +330,9 @@ def test_serve_cli_aux_flags(tmp_path):
     root.command()(lambda: None)
     out = CliRunner().invoke(root, ["serve", "--help"])
     for option in ["--adapter", "--aux-every", "--aux-base", "--valkey-url", "--host-tier-bytes", "--aux-max-wait",
-                   "--spill-tier"]:
+                   "--spill-tier", "--aux-close-bias"]:
         assert option in out.output
-    for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"]):
+    for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"], ["--aux-close-bias", "2"]):
         bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), *flags])
         assert bad.exit_code != 0 and "needs a manager" in bad.output
     bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--spill-tier", "valkey"])

@@ -362,6 +362,28 @@ def test_aux_fork_reads_the_main_state_and_its_decision_is_the_next_drop():
     assert not set(r.row.tolist()) & set(fork.row[9:].tolist())  # aux tokens never enter the main context
 
 
+def test_aux_fork_close_bias_is_sglang_logit_bias_on_the_closing_tokens():
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvsteward.models import load_tokenizer
+    from kvsteward.serve.aux import closing_tokens
+
+    tok = load_tokenizer("smollm2")
+    closing = closing_tokens(tok)
+    texts = {tok.decode([t]) for t in closing}
+    assert {" []", "]}"} <= texts and all("]" in t for t in texts)  # the two ways the trained targets close
+    body = aux.fork_request([A, B, C], None, TRIG, close_bias=2.5, closing_tokens=closing)
+    params = body["sampling_params"]
+    assert params["logit_bias"] == {str(t): 2.5 for t in closing}
+    sp = SamplingParams(**{k: v for k, v in params.items() if k != "custom_params"})
+    sp.verify(len(tok))  # SGLang's own check accepts it
+    with pytest.raises(ValueError, match="logit_bias"):
+        sp.verify(min(closing))  # and it is the check that would refuse a bad id
+    assert "logit_bias" not in aux.fork_request([A, B, C], None, TRIG)["sampling_params"]
+    with pytest.raises(ValueError, match="closing token ids"):
+        aux.fork_request([A, B, C], None, TRIG, close_bias=1.0)
+
+
 # ------------------------------------------------------------------------------------------- plugin wiring
 def test_plugin_registers_the_backend_and_its_factory_builds_the_tree():
     from importlib.metadata import entry_points

@@ -99,9 +99,9 @@ def test_teacher_sharing_the_frozen_lower_layers_is_the_pristine_base(tmp_path, 
     assert batch["attention_mask"].min() == 0  # padded rows: the kept mask must follow the selected rows
     main = ~batch["is_aux"]
     with torch.no_grad():
-        trainer._hidden(model, batch["input_ids"], batch["attention_mask"], catch_trunk=share)
-        assert (trainer._trunk is not None) == share
-        teacher = trainer._head()(trainer._teacher_hidden(model, batch, main))[main]
+        _, trunk = trainer._hidden(model, batch["input_ids"], batch["attention_mask"], catch_trunk=share)
+        assert (trunk is not None) == share
+        teacher = trainer._head()(trainer._teacher_hidden(model, batch, main, trunk))[main]
         ref = pristine(input_ids=batch["input_ids"][main], attention_mask=batch["attention_mask"][main]).logits
     valid = batch["attention_mask"][main].bool()
     assert torch.allclose(teacher[valid], ref[valid], atol=1e-5)

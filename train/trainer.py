@@ -33,7 +33,6 @@ class StewardTrainer(Trainer):
         self.kl_temperature = kl_temperature
         self._head_checked = False
         self._first_adapted: int | None = None
-        self._trunk: tuple[torch.Tensor, dict] | None = None
         # Sharing the frozen lower layers with the teacher is exact only if nothing in them is random.
         cfg = self._peft().config
         self._share_trunk = share_trunk and not getattr(cfg, "attention_dropout", 0.0) and \
@@ -45,8 +44,10 @@ class StewardTrainer(Trainer):
 
     # -- forward passes -------------------------------------------------------------------------------------------
     def _hidden(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None, catch_trunk: bool = False) -> torch.Tensor:
-        """Final (post-norm) hidden states, caught at the decoder's output by a hook.
+                position_ids: torch.Tensor | None = None,
+                catch_trunk: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, dict] | None]:
+        """Final (post-norm) hidden states, caught at the decoder's output by a hook; with `catch_trunk`, also the
+        input to the lowest adapted layer (hidden states, layer kwargs) for `_upper_layers`, else None.
 
         The model runs whole (so DeepSpeed's engine and hooks see an ordinary forward) but computes logits for the
         last position only; `output_hidden_states` would instead keep every layer's states alive, which for the
@@ -58,12 +59,13 @@ class StewardTrainer(Trainer):
             attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
                 ~attention_mask.bool(), torch.finfo(dtype).min)
         caught: list[torch.Tensor] = []
+        trunk: list[tuple[torch.Tensor, dict]] = []
         decoder = self._peft().get_base_model().get_decoder()
         handles = [decoder.register_forward_hook(lambda _m, _i, out: caught.append(out[0]))]
         first = self._first_adapted_layer()
         if catch_trunk and first:  # the student's input to the lowest adapted layer, for the teacher to reuse
             def keep(_m, args, kwargs):
-                self._trunk = (args[0].detach() if args else kwargs["hidden_states"].detach(), kwargs)
+                trunk.append((args[0].detach() if args else kwargs["hidden_states"].detach(), kwargs))
             handles.append(decoder.layers[first].register_forward_pre_hook(keep, with_kwargs=True))
         try:
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -74,7 +76,7 @@ class StewardTrainer(Trainer):
         hidden = caught[-1]
         if not self._head_checked:
             self._check_head(hidden, out.logits)
-        return hidden
+        return hidden, (trunk[-1] if trunk else None)
 
     def _check_head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         with torch.no_grad():
@@ -99,12 +101,13 @@ class StewardTrainer(Trainer):
             self._first_adapted = min(adapted, default=0)
         return self._first_adapted
 
-    def _teacher_hidden(self, model, inputs: dict, main_rows: torch.Tensor) -> torch.Tensor:
+    def _teacher_hidden(self, model, inputs: dict, main_rows: torch.Tensor,
+                        trunk: tuple[torch.Tensor, dict] | None = None) -> torch.Tensor:
         """Teacher hidden states for the main rows (or row 0 when there is none: the call itself must happen).
 
         With LoRA on the top layers only (`--top-layers`), the layers below compute the same function with the
-        adapter on or off, so the teacher starts from the student's input to the lowest adapted layer (kept by
-        `_hidden(catch_trunk=True)`) and runs only the layers above it: the teacher's cost drops by the share of
+        adapter on or off, so given `trunk`, the student's input to the lowest adapted layer (from
+        `_hidden(catch_trunk=True)`), the teacher runs only the layers above it: its cost drops by the share of
         frozen layers. Exact only without dropout in the shared layers, which is checked on the config.
         """
         sel = main_rows.nonzero(as_tuple=True)[0]
@@ -113,15 +116,14 @@ class StewardTrainer(Trainer):
         peft = self._peft()
         was_training = peft.training
         peft.eval()  # the teacher is the deterministic base model: no dropout
-        trunk, self._trunk = self._trunk, None
         try:
             with torch.no_grad(), peft.disable_adapter():
                 if trunk is not None:
                     hidden = self._upper_layers(trunk, sel, main_rows.shape[0])
                 else:
                     pos = inputs.get("position_ids")
-                    hidden = self._hidden(model, inputs["input_ids"][sel], inputs["attention_mask"][sel],
-                                          None if pos is None else pos[sel])
+                    hidden, _ = self._hidden(model, inputs["input_ids"][sel], inputs["attention_mask"][sel],
+                                             None if pos is None else pos[sel])
         finally:
             peft.train(was_training)
         full = hidden.new_zeros((main_rows.shape[0],) + hidden.shape[1:])
@@ -152,9 +154,9 @@ class StewardTrainer(Trainer):
         if aux is None:  # a batch from another collator: every labelled token of an is_aux row is a CE target
             aux = (labels != IGNORE) & inputs["is_aux"].bool()[:, None]
         main = (labels != IGNORE) & ~aux  # the KL mask: main rows, and the trunk of packed rows
-        student = self._hidden(model, inputs["input_ids"], inputs["attention_mask"], inputs.get("position_ids"),
-                               catch_trunk=self._share_trunk)
-        teacher = self._teacher_hidden(model, inputs, main.any(dim=1))
+        student, trunk = self._hidden(model, inputs["input_ids"], inputs["attention_mask"],
+                                      inputs.get("position_ids"), catch_trunk=self._share_trunk)
+        teacher = self._teacher_hidden(model, inputs, main.any(dim=1), trunk)
         head = self._head()
 
         ab, at, ay = target_positions(labels, aux)
