@@ -189,9 +189,10 @@ def summarize(t: Tally, ref: Tally) -> dict:
 
 def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
              plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
-             close_bias: float = 0.0) -> dict:
+             close_bias: float = 0.0, keep_unread: bool = True) -> dict:
     """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
-    `close_bias`: the serving knob `AuxConfig.close_bias` (nats toward closing the deletion list), for both arms."""
+    `close_bias`, `keep_unread`: the serving knobs of `AuxConfig` (nats toward closing the deletion list; never
+    delete a tool response not read yet), for both arms."""
     tok = engine.tokenizer
     tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
     for k, trace in enumerate(traces):
@@ -200,7 +201,8 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
             use = arm == "adapter"
 
             def decide(s, msgs, open_c, use=use):
-                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=close_bias)
+                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=close_bias,
+                               keep_unread=keep_unread)
 
             replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
         if progress:
@@ -211,4 +213,5 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
             "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
                              "peak_tokens": sum(ref.peak),
                              "kv_reads": sum(ref.kv_reads)},
-            "n_traces": len(traces), "every": every, "close_bias": close_bias}
+            "n_traces": len(traces), "every": every, "close_bias": close_bias,
+            "keep_unread": keep_unread}

@@ -133,6 +133,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
             close_bias: float = typer.Option(0.0, help="nats added to closing the deletion list (serving's "
                                                        "--aux-close-bias): > 0 deletes less, fewer harmful deletions"),
+            delete_unread: bool = typer.Option(False, "--delete-unread",
+                                               help="let the manager delete tool responses not read yet (serving's "
+                                                    "--aux-delete-unread; default: never)"),
             mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
@@ -154,7 +157,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     arms = ("base", "adapter") if adapter else ("base",)
     if not math.isfinite(close_bias):
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
-    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias)
+    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias,
+                      keep_unread=not delete_unread)
     if mlflow_log:
         import mlflow
 
@@ -162,7 +166,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
-                               "every": every, "traces": len(trs), "close_bias": close_bias})
+                               "every": every, "traces": len(trs), "close_bias": close_bias,
+                               "keep_unread": not delete_unread})
             mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
                                 if isinstance(v, (int, float)) and v == v})
             mlflow.log_dict(result, "manager_eval.json")

@@ -43,6 +43,9 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                                         "the aux runs only in idle time)"),
           aux_close_bias: float = typer.Option(0.0, help="nats added to closing the aux deletion list: > 0 deletes "
                                                          "less and more surely (fewer harmful deletions)"),
+          aux_delete_unread: bool = typer.Option(False, "--aux-delete-unread",
+                                                 help="let the aux delete tool responses the agent has not read yet "
+                                                      "(default: never; the step after a boundary reads them)"),
           tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
@@ -70,15 +73,17 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                  f"got {spill_tier!r}")
     if aux_max_wait is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-max-wait needs a manager: --adapter DIR (or --aux-base for the base model)")
-    if aux_close_bias and adapter is None and not aux_base:
-        raise typer.BadParameter("--aux-close-bias needs a manager: --adapter DIR (or --aux-base for the base model)")
+    for flag, on in (("--aux-close-bias", aux_close_bias), ("--aux-delete-unread", aux_delete_unread)):
+        if on and adapter is None and not aux_base:
+            raise typer.BadParameter(f"{flag} needs a manager: --adapter DIR (or --aux-base for the base model)")
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
     if adapter is not None or aux_base:
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
-                        max_wait=aux_max_wait, close_bias=aux_close_bias)
+                        max_wait=aux_max_wait, close_bias=aux_close_bias,
+                        keep_unread=not aux_delete_unread)
         try:
             aux.validate()
         except ValueError as e:

@@ -197,6 +197,19 @@ def open_cursors(messages: list[dict], dropped) -> list[int]:
     return [i for i, m in enumerate(messages) if m.get("role") == "tool" and i not in dropped]
 
 
+def unread_cursors(messages: list[dict]) -> list[int]:
+    """The tool messages at the end of the context (after its last non-tool message): responses the agent has not
+    read yet. In a ReAct loop the step right after a boundary reads them, so hindsight never labels them expired and
+    deleting one is always harmful: with `keep_unread` the decoder never offers them (they stay in the trigger's
+    list, which must match the training rows)."""
+    out: list[int] = []
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") != "tool":
+            break
+        out.append(i)
+    return out[::-1]
+
+
 def fork_point(messages: list[dict], first: int, every: int) -> int | None:
     """Where a turn that appends `messages[first:]` forks the aux thread: the index t of the last new tool message
     that is the K-th, 2K-th, ... tool response of the session (`every` = K, counting every tool message, dropped ones
@@ -215,26 +228,30 @@ def fork_point(messages: list[dict], first: int, every: int) -> int | None:
     return out
 
 
-def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int],
-              max_tokens: int = 64, close_bias: float = 0.0) -> Generator[None, None, AuxDecision]:
+def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,
+              close_bias: float = 0.0, keep_unread: bool = True) -> Generator[None, None, AuxDecision]:
     """The aux thread on `fork` (a fork of the main session, adapter set by the caller) as a generator of steps:
     every resumption runs at most one model forward (trigger prefill, the forced opener, then one decoded token), so
-    a scheduler can take the model lock per step and yield to main work in between. Returns the decision."""
+    a scheduler can take the model lock per step and yield to main work in between. Returns the decision.
+    The decoder may list any open cursor, except the unread ones with `keep_unread` (`unread_cursors`); with none
+    left to list the decision is "delete nothing" without a forward."""
+    unread = set(unread_cursors(messages)) if keep_unread else set()
+    deletable = [c for c in open_cursors if c not in unread]
+    if not deletable:
+        return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
     history = messages + [{"role": "user", "content": delete_trigger(open_cursors)}]
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield
-    return (yield from _constrained_steps(fork, tokenizer, open_cursors, max_tokens, close_bias))
+    return (yield from _constrained_steps(fork, tokenizer, deletable, max_tokens, close_bias))
 
 
 def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,
-            use_adapter: bool = True, close_bias: float = 0.0) -> AuxDecision:
+            use_adapter: bool = True, close_bias: float = 0.0, keep_unread: bool = True) -> AuxDecision:
     """Fork the main session, append the trigger (a user message) and the assistant opener, decode the deletion."""
-    if not open_cursors:
-        return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
     fork = main.fork(shared=True)  # reads the main K/V in place: no copy
     fork.config.use_adapter = use_adapter
-    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens, close_bias))
+    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens, close_bias, keep_unread))
 
 
 # -- the planner (`Planning mode`): a blueprint for the foresight policy ----------------------------------------------
@@ -561,6 +578,7 @@ class AuxConfig:
     plan_max_tokens: int = 128  # decode budget of one `{"plan": [...]}` (running out = a parse failure)
     max_wait: float | None = None  # starvation bound in seconds (`Scheduler.max_aux_wait`); None: only idle time
     close_bias: float = 0.0  # nats added to closing the deletion list (`_constrained_steps`): > 0 deletes less
+    keep_unread: bool = True  # never delete a tool response the agent has not read yet (`unread_cursors`)
 
     def validate(self) -> None:
         if not math.isfinite(self.close_bias):
@@ -680,7 +698,7 @@ class AuxWorker:
             # the planner's own shared fork of the boundary state, taken before the deletion decode writes `job.fork`
             plan_fork = job.fork.fork(shared=True) if self.config.plan and self.plan_hook is None else None
             steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens,
-                              self.config.close_bias)
+                              self.config.close_bias, self.config.keep_unread)
             k, got = self._drive(sid, steps, 0)
             if got is None:
                 return

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsteward.models import load_tokenizer, tiny_model
-from kvsteward.serve.aux import _close, run_aux, valid_tail
+from kvsteward.serve.aux import _close, run_aux, unread_cursors, valid_tail
 from kvsteward.serve.engine import Engine
 
 torch.set_num_threads(1)
@@ -157,14 +157,14 @@ def test_close_bias_lists_a_prefix_of_the_greedy_list(engine, tok, seed):
     engine.model.lm_head.weight.data.normal_()
     s = _main(engine, tok)
     open_c = [2, 4]
-    lists = [_decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16, close_bias=b).text)
+    lists = [_decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16, close_bias=b, keep_unread=False).text)
              for b in (-1e4, -2.0, 0.0, 2.0, 1e4)]
     assert sorted(lists[0]) == open_c
     assert lists[-1] == []
     for lower, higher in zip(lists, lists[1:], strict=False):
         assert higher == lower[:len(higher)], (lower, higher)
     # 0 is plain greedy: the default decode
-    assert lists[2] == _decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16).text)
+    assert lists[2] == _decode_order(run_aux(s, tok, MESSAGES, open_c, max_tokens=16, keep_unread=False).text)
 
 
 def test_close_bias_must_be_finite():
@@ -173,3 +173,22 @@ def test_close_bias_must_be_finite():
     with pytest.raises(ValueError, match="close_bias"):
         AuxConfig(close_bias=float("nan")).validate()
     AuxConfig(close_bias=3.0).validate()
+
+
+def test_unread_cursors_are_the_trailing_tool_messages():
+    tool, asst = {"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}
+    assert unread_cursors([asst, tool, asst, tool]) == [3]
+    assert unread_cursors([asst, tool, tool, tool]) == [1, 2, 3]  # parallel calls: none of them read yet
+    assert unread_cursors([asst, tool, asst]) == [] and unread_cursors([]) == []
+
+
+def test_keep_unread_never_deletes_the_response_the_agent_has_not_read(engine, tok):
+    """Even a decoder pushed to delete everything (huge bias against closing) keeps the boundary's own tool response
+    (cursor 4, the last message); without `keep_unread` it deletes it too. With nothing else open, no forward runs."""
+    torch.manual_seed(7)
+    engine.model.lm_head.weight.data.normal_()
+    s = _main(engine, tok)
+    assert run_aux(s, tok, MESSAGES, [2, 4], max_tokens=16, close_bias=-1e4).del_cursors == [2]
+    assert run_aux(s, tok, MESSAGES, [2, 4], max_tokens=16, close_bias=-1e4, keep_unread=False).del_cursors == [2, 4]
+    only = run_aux(s, tok, MESSAGES, [4], max_tokens=16, close_bias=-1e4)
+    assert only.del_cursors == [] and only.tokens == 0 and json.loads(only.text) == {"del_cursors": []}

@@ -31,7 +31,9 @@ def tool_turn(i: int, text: str = "result text " * 6, max_tokens: int = 3) -> di
 # messages: 0 system, 1 user, 2 reply, 3 tool, 4 reply, 5 tool, 6 reply, 7 tool, 8 reply, ...
 TURNS = [T0, tool_turn(3), tool_turn(5), tool_turn(7), tool_turn(9), {"messages": [
     {"role": "user", "content": "Answer now."}], "max_tokens": 4}]
-AUX = AuxConfig(every=2, max_tokens=16, use_adapter=False)
+# The plumbing tests below want a decision that lists every open cursor; keep_unread (on by default) is tested on its
+# own (`test_the_worker_keeps_the_unread_response_by_default`).
+AUX = AuxConfig(every=2, max_tokens=16, use_adapter=False, keep_unread=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,8 @@ def by_hand(engine, path, acks: list[dict], turns: list[dict], use_adapter: bool
     rec = live(app, sid)
     assert rec.messages[-1]["role"] == "tool" and rec.session.history[-1]["kind"] == "tool"
     opened = open_cursors(rec.messages, rec.dropped)
-    decision = run_aux(rec.session, engine.tokenizer, rec.messages, opened, max_tokens=16, use_adapter=use_adapter)
+    decision = run_aux(rec.session, engine.tokenizer, rec.messages, opened, max_tokens=16, use_adapter=use_adapter,
+                       keep_unread=False)
     return rec.session, rec.messages, opened, decision
 
 
@@ -182,6 +185,19 @@ def test_the_worker_decodes_with_the_configured_close_bias(engine, tmp_path):
     assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [] and pending["text"].endswith(" []}")
 
 
+def test_the_worker_keeps_the_unread_response_by_default(engine, tmp_path):
+    """Default AuxConfig: the decoder (which here would list everything) may not list the boundary's own tool
+    response, which the agent has not read yet; the older one goes."""
+    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=2, max_tokens=16, use_adapter=False))
+    c = TestClient(app)
+    sid = c.post("/v1/sessions", json={}).json()["id"]
+    for body in TURNS[:3]:
+        turn(c, sid, body)
+    assert app.state.store.worker.wait_idle(60)
+    pending = dict(live(app, sid).aux_pending)
+    assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [3]
+
+
 def test_a_pending_decision_survives_a_kill(engine, tmp_path):
     """A decision made after turn 2 and not yet applied is in the log (fsynced): a server started on the same data
     (the first one killed: nothing closed) applies it at the next turn exactly as an uninterrupted server does."""
@@ -213,7 +229,8 @@ def test_a_pending_decision_survives_a_kill(engine, tmp_path):
 def test_fork_mid_turn_right_after_the_tool_message(engine, tmp_path):
     """Turns whose new messages do not end with the boundary's tool response: the fork is taken right after it
     (and after the cache ops that belong right after it), before the following messages and the reply."""
-    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=1, max_tokens=16, use_adapter=False))
+    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=1, max_tokens=16, use_adapter=False,
+                                                                 keep_unread=False))
     c = TestClient(app)
     store = app.state.store
     sid = c.post("/v1/sessions", json={}).json()["id"]
@@ -296,7 +313,8 @@ def test_racing_turns_never_see_half_an_aux_drop(engine, tmp_path):
     """Every turn fired without any tool time: aux decisions land at arbitrary moments. Whatever the timing, each
     applied decision is one drop of whole messages before the turn's own ops, and the states equal the same turns
     with those drops made by hand."""
-    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=1, max_tokens=16, use_adapter=False))
+    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=1, max_tokens=16, use_adapter=False,
+                                                                 keep_unread=False))
     c = TestClient(app)
     sid = c.post("/v1/sessions", json={}).json()["id"]
     rng = random.Random(0)
@@ -330,9 +348,10 @@ def test_serve_cli_aux_flags(tmp_path):
     root.command()(lambda: None)
     out = CliRunner().invoke(root, ["serve", "--help"])
     for option in ["--adapter", "--aux-every", "--aux-base", "--valkey-url", "--host-tier-bytes", "--aux-max-wait",
-                   "--spill-tier", "--aux-close-bias"]:
+                   "--spill-tier", "--aux-close-bias", "--aux-delete-unread"]:
         assert option in out.output
-    for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"], ["--aux-close-bias", "2"]):
+    for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"], ["--aux-close-bias", "2"],
+                  ["--aux-delete-unread"]):
         bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), *flags])
         assert bad.exit_code != 0 and "needs a manager" in bad.output
     bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--spill-tier", "valkey"])
@@ -373,7 +392,8 @@ def test_adapter_is_on_only_in_aux_forwards(tmp_path):
             if "lora_B" in name:
                 p.mul_(30)
     peft = Engine(model, tok)
-    app = make_app(peft, tmp_path / "peft", aux=AuxConfig(every=2, max_tokens=16, use_adapter=True))
+    app = make_app(peft, tmp_path / "peft", aux=AuxConfig(every=2, max_tokens=16, use_adapter=True,
+                                                                    keep_unread=False))
     c = TestClient(app)
     sid = c.post("/v1/sessions", json={}).json()["id"]
     got = [turn(c, sid, body) for body in TURNS[:3]]
