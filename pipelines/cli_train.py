@@ -40,6 +40,9 @@ def lora(
     bf16: bool = typer.Option(False, help="bf16 mixed precision (GPUs)"),
     top_layers: int = typer.Option(0, help="LoRA only in the top N decoder layers (faster step); 0 = all"),
     max_minutes: float = typer.Option(0.0, help="stop (and save) after this many minutes of training; 0 = no limit"),
+    hard_weight: int = typer.Option(1, help="repeat each hard deletion row (a read cursor still needed) N times"),
+    skip_trivial: bool = typer.Option(False, "--skip-trivial",
+                                      help="leave out deletion rows whose open cursors are all unread (never decoded)"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
 ) -> None:
@@ -50,7 +53,8 @@ def lora(
     cfg = LoraRunConfig(data=str(data), out=str(out), model=model, max_steps=max_steps, lr=lr, rank=rank, alpha=alpha,
                         lambda_kl=lambda_kl, batch_size=batch_size, grad_accum=grad_accum, max_len=max_len,
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
-                        bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track)
+                        bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
+                        hard_weight=hard_weight, skip_trivial=skip_trivial)
     try:
         cfg.check()
     except ValueError as e:

@@ -1,8 +1,10 @@
-"""Training data: collator padding, length filter, dataset checks, the toy chat dataset's labels."""
+"""Training data: collator padding, length filter, dataset checks, deletion-row difficulty and weighting, the toy chat
+dataset's labels."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -111,3 +113,39 @@ def test_chat_dataset_labels_exactly_the_assistant_json():
             closed = [int(line.split(":")[0].split()[1]) for line in json.loads(r["messages"])[0]["content"]
                       .splitlines() if line.endswith("closed")]
             assert json.loads(answer) == {"del_cursors": closed}
+
+
+def test_delete_row_difficulty_against_the_traces_provenance():
+    """Each deletion row of real hindsight rows, classified from the row alone, against the trace: trivial = only the
+    boundary's own response is open; easy = the target is every other open cursor; hard = one of those others is
+    still read later (and so is kept by the target). Then the weighting repeats and leaves out exactly those rows."""
+
+    from kvsteward.models import load_tokenizer
+    from kvsteward.synth.dataset import HindsightConfig, build_rows, features
+    from kvsteward.synth.generate import generate_traces
+    from kvsteward.train.data import delete_row_difficulty, weigh_delete_rows
+
+    traces = {t.task_id: t for t in generate_traces(8, seed=3)}
+    rows, _, _ = build_rows(list(traces.values()), load_tokenizer("smollm2"),
+                            HindsightConfig(every=1, max_tokens=4096, plan=False, mask_prob=0.5))
+    seen = Counter()
+    for row in rows:
+        kind = delete_row_difficulty(row)
+        if row["kind"] != "delete":
+            assert kind == ""
+            continue
+        seen[kind] += 1
+        trace, b = traces[row["task_id"]], row["step"]
+        read = [c for c in row["open_cursors"] if c != b - 1]  # one tool call per step: only b - 1 is unread
+        needed = [c for c in read if trace.last_use()[c] >= b]
+        assert kind == ("trivial" if not read else "hard" if needed else "easy"), (row["task_id"], b, kind)
+    assert seen["trivial"] and seen["easy"] and seen["hard"]
+
+    ds = Dataset.from_list(rows, features=features())
+    same, counts = weigh_delete_rows(ds)
+    assert same is ds and counts == seen
+    weighed, _ = weigh_delete_rows(ds, hard_weight=3, skip_trivial=True)
+    assert len(weighed) == len(ds) + 2 * seen["hard"] - seen["trivial"]
+    assert Counter(delete_row_difficulty(r) for r in weighed)["hard"] == 3 * seen["hard"]
+    with pytest.raises(DataError, match="hard_weight"):
+        weigh_delete_rows(ds, hard_weight=0)

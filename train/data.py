@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 
 from kvsteward.synth.packed import COLUMNS as PACKED
 from kvsteward.synth.packed import NEVER
+from kvsteward.synth.toolcall import cursor_id
 from kvsteward.train.loss import IGNORE
 
 REQUIRED = ("input_ids", "labels", "is_aux")
@@ -79,6 +81,51 @@ def fit_length(ds: Dataset, max_len: int) -> tuple[Dataset, Counter, int]:
     if not any(kept["is_aux"]):
         raise DataError(f"no auxiliary (is_aux) row fits max_len={max_len}: nothing to learn; raise --max-len")
     return kept, dropped, len(long_main & kept_ids)
+
+
+def delete_row_difficulty(row: dict) -> str:
+    """How a `delete` row's target relates to the rule "delete every open cursor already read":
+
+    - `trivial`: every open cursor is unread (the tool messages at the end of the context, which the next step
+      reads): the target is empty, and the serving decoder (`keep_unread`) never even runs here;
+    - `easy`: the target is exactly the read open cursors;
+    - `hard`: some read cursor is still needed (a fact page a recap restates, a search list after a detour): what a
+      manager must learn beyond the rule.
+    Other rows: "" (not a deletion row).
+    """
+    if row.get("kind") != "delete":
+        return ""
+    context = json.loads(row["messages"])[:-2]  # without the trigger and the target
+    unread = set()
+    for m in reversed(context):
+        if m.get("role") != "tool":
+            break
+        unread.add(cursor_id(m.get("content", "")))
+    read = sorted(c for c in row["open_cursors"] if c not in unread)
+    if not read:
+        return "trivial"
+    return "easy" if sorted(json.loads(row["target"])["del_cursors"]) == read else "hard"
+
+
+def weigh_delete_rows(ds: Dataset, hard_weight: int = 1, skip_trivial: bool = False) -> tuple[Dataset, Counter]:
+    """The training split with each `hard` deletion row repeated `hard_weight` times and, with `skip_trivial`, the
+    `trivial` ones left out (`delete_row_difficulty`); other rows as they are. Returns it and the difficulty counts
+    of the input. The Trainer's sampler shuffles, so repeats are spread over the run."""
+    if hard_weight < 1:
+        raise DataError(f"hard_weight must be >= 1, got {hard_weight}")
+    needs = ["kind", "messages", "open_cursors", "target"]
+    if not set(needs) <= set(ds.column_names):
+        if hard_weight > 1 or skip_trivial:
+            raise DataError(f"--hard-weight / --skip-trivial need the hindsight columns {needs}; the dataset has "
+                            f"{ds.column_names}")
+        return ds, Counter()
+    kinds = [delete_row_difficulty(r) for r in ds.select_columns(needs)]
+    counts = Counter(k for k in kinds if k)
+    if hard_weight == 1 and not skip_trivial:
+        return ds, counts
+    keep = [i for i, k in enumerate(kinds) for _ in range(hard_weight if k == "hard" else 1)
+            if not (skip_trivial and k == "trivial")]
+    return ds.select(keep), counts
 
 
 def tree_mask(segment: torch.Tensor, time: torch.Tensor, expire: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvsteward.train.data import Collator, check_vocab, fit_length, load_splits
+from kvsteward.train.data import Collator, check_vocab, fit_length, load_splits, weigh_delete_rows
 
 
 class QuantizedModelError(ValueError):
@@ -39,6 +39,8 @@ class LoraRunConfig:
     bf16: bool = False
     top_layers: int = 0  # LoRA only in the top N decoder layers; 0 = all
     max_minutes: float = 0.0  # wall-clock training budget of this process; 0 = none (stop at max_steps)
+    hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
+    skip_trivial: bool = False  # leave out deletion rows whose open cursors are all unread (never decoded)
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -51,6 +53,8 @@ class LoraRunConfig:
             bad.append(f"lr must be > 0 (got {self.lr})")
         if self.top_layers < 0:
             bad.append(f"top_layers must be ≥ 0 (got {self.top_layers})")
+        if self.hard_weight < 1:
+            bad.append(f"hard_weight must be ≥ 1 (got {self.hard_weight})")
         if self.max_minutes < 0:
             bad.append(f"max_minutes must be ≥ 0 (got {self.max_minutes})")
         if self.lambda_kl < 0:
@@ -181,6 +185,10 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     train, dropped, truncated = fit_length(splits["train"], cfg.max_len)
     if dropped or truncated:
         log(f"max_len={cfg.max_len}: dropped {dict(dropped) or 'none'}, left-truncated {truncated} main rows")
+    train, difficulty = weigh_delete_rows(train, cfg.hard_weight, cfg.skip_trivial)
+    if cfg.hard_weight > 1 or cfg.skip_trivial:
+        log(f"deletion rows by difficulty {dict(difficulty)}: hard ×{cfg.hard_weight}"
+            f"{', trivial left out' if cfg.skip_trivial else ''} → {len(train)} train rows")
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     model = wrap_lora(base, cfg)
