@@ -145,6 +145,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     from kvsteward.synth.dataset import CARD_JSON
     from kvsteward.synth.trace import read_traces
 
+    if not math.isfinite(close_bias):  # before the model loads
+        raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
     card = data / CARD_JSON
     src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
     if src is None:
@@ -155,8 +157,6 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
     arms = ("base", "adapter") if adapter else ("base",)
-    if not math.isfinite(close_bias):
-        raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
     result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias,
                       keep_unread=not delete_unread)
     if mlflow_log:

@@ -110,3 +110,12 @@ def test_harm_kind_names_the_next_reader(setup):
                 else:
                     assert kind == "later_step"
     assert {"next_step", "final_answer"} <= seen
+
+
+def test_cli_refuses_a_non_finite_close_bias_before_loading_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvsteward.pipelines.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "manager", "--data", str(tmp_path), "--close-bias", "nan", "--no-mlflow"])
+    assert res.exit_code == 2 and "--close-bias must be a finite number" in res.output
