@@ -172,29 +172,29 @@ def test_aux_drop_is_run_aux_applied_as_a_drop_and_restart_replays_it(engine, tm
     assert r.status_code == 400
 
 
-def test_the_worker_decodes_with_the_configured_close_bias(engine, tmp_path):
-    """This module's model never favours `]` (it would list every open cursor); a close bias larger than that
-    handicap, set in the server's AuxConfig, must reach the worker's decode: the decision becomes "delete nothing"."""
-    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=2, max_tokens=16, use_adapter=False, close_bias=2e4))
+def _first_decision(engine, path, aux: AuxConfig) -> dict:
+    """The worker's pending decision after the first boundary of TURNS (tool responses 3 and 5, every = 2)."""
+    app = make_app(engine, path, aux=aux)
     c = TestClient(app)
     sid = c.post("/v1/sessions", json={}).json()["id"]
     for body in TURNS[:3]:
         turn(c, sid, body)
     assert app.state.store.worker.wait_idle(60)
-    pending = dict(live(app, sid).aux_pending)
+    return dict(live(app, sid).aux_pending)
+
+
+def test_the_worker_decodes_with_the_configured_close_bias(engine, tmp_path):
+    """This module's model never favours `]` (it would list every open cursor); a close bias larger than that
+    handicap, set in the server's AuxConfig, must reach the worker's decode: the decision becomes "delete nothing"."""
+    pending = _first_decision(engine, tmp_path / "a", AuxConfig(every=2, max_tokens=16, use_adapter=False,
+                                                                 close_bias=2e4))
     assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [] and pending["text"].endswith(" []}")
 
 
 def test_the_worker_keeps_the_unread_response_by_default(engine, tmp_path):
     """Default AuxConfig: the decoder (which here would list everything) may not list the boundary's own tool
     response, which the agent has not read yet; the older one goes."""
-    app = make_app(engine, tmp_path / "a", aux=AuxConfig(every=2, max_tokens=16, use_adapter=False))
-    c = TestClient(app)
-    sid = c.post("/v1/sessions", json={}).json()["id"]
-    for body in TURNS[:3]:
-        turn(c, sid, body)
-    assert app.state.store.worker.wait_idle(60)
-    pending = dict(live(app, sid).aux_pending)
+    pending = _first_decision(engine, tmp_path / "a", AuxConfig(every=2, max_tokens=16, use_adapter=False))
     assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [3]
 
 
