@@ -44,7 +44,7 @@ import torch
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.session import Session
 from kvsteward.synth.chat import generation_prompt, message_texts
-from kvsteward.synth.hindsight import PLAN_TRIGGER, delete_trigger
+from kvsteward.synth.hindsight import PLAN_TRIGGER, delete_trigger, unread_cursors
 
 # The forced opener stops before the list's `[`: BPE merges the bracket with what follows, so the training targets
 # (`json.dumps`, tokenized as one piece) read ` []` + `}` for an empty list and ` [` + `3` for a non-empty one.
@@ -158,7 +158,8 @@ def _constrained_steps(session: Session, tokenizer, open_ids: list[int], max_tok
     allowed = frozenset(open_ids)
     cand_ids, cand_texts = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
-    bias = torch.tensor([close_bias if "]" in t else 0.0 for t in cand_texts]) if close_bias else None
+    closing = set(closing_tokens(tokenizer)) if close_bias else set()
+    bias = torch.tensor([close_bias if t in closing else 0.0 for t in cand_ids]) if close_bias else None
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
     yield
     tail, used_tokens = "", 0
@@ -195,19 +196,6 @@ def open_cursors(messages: list[dict], dropped) -> list[int]:
     """Cursor ids still in the context: the indices of tool messages not dropped (the synth convention: a tool
     response is tagged `[cursor N]` with N its own message index, so an id names the span a drop removes)."""
     return [i for i, m in enumerate(messages) if m.get("role") == "tool" and i not in dropped]
-
-
-def unread_cursors(messages: list[dict]) -> list[int]:
-    """The tool messages at the end of the context (after its last non-tool message): responses the agent has not
-    read yet. In a ReAct loop the step right after a boundary reads them, so hindsight never labels them expired and
-    deleting one is always harmful: with `keep_unread` the decoder never offers them (they stay in the trigger's
-    list, which must match the training rows)."""
-    out: list[int] = []
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") != "tool":
-            break
-        out.append(i)
-    return out[::-1]
 
 
 def fork_point(messages: list[dict], first: int, every: int) -> int | None:

@@ -34,6 +34,19 @@ def delete_trigger(open_cursors: list[int]) -> str:
     return f"{DELETE_TRIGGER}\nOpen cursors: {ids if ids else 'none'}"
 
 
+def unread_cursors(messages: list[dict]) -> list[int]:
+    """The tool messages at the end of the context (after its last non-tool message): responses the agent has not
+    read yet. In a ReAct loop the step right after a boundary reads them, so hindsight never labels them expired and
+    deleting one is always harmful: with `keep_unread` the decoder never offers them (they stay in the trigger's
+    list, which must match the training rows)."""
+    out: list[int] = []
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") != "tool":
+            break
+        out.append(i)
+    return out[::-1]
+
+
 def boundaries(trace: Trace, every: int) -> list[int]:
     """Boundaries after every `every`-th tool response (the last message never starts a boundary)."""
     if every < 1:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from kvsteward.synth.hindsight import unread_cursors
 from kvsteward.synth.packed import COLUMNS as PACKED
 from kvsteward.synth.packed import NEVER
 from kvsteward.synth.toolcall import cursor_id
@@ -96,11 +97,8 @@ def delete_row_difficulty(row: dict) -> str:
     if row.get("kind") != "delete":
         return ""
     context = json.loads(row["messages"])[:-2]  # without the trigger and the target
-    unread = set()
-    for m in reversed(context):
-        if m.get("role") != "tool":
-            break
-        unread.add(cursor_id(m.get("content", "")))
+    # pre-masking removed messages, so a context position is not a cursor id: read the id from the `[cursor N]` tag
+    unread = {cursor_id(context[i].get("content", "")) for i in unread_cursors(context)}
     read = sorted(c for c in row["open_cursors"] if c not in unread)
     if not read:
         return "trivial"
