@@ -13,6 +13,7 @@ from kvsteward.synth import hindsight as hs
 from kvsteward.synth.generate import generate_traces
 from kvsteward.synth.solver import TraceConfig
 from kvsteward.synth.stats import delete_row_errors
+from kvsteward.synth.tasks import FIELD_WORDS, RECAP_REQUEST
 from kvsteward.synth.toolcall import cursor_content
 from kvsteward.synth.trace import Trace
 
@@ -145,3 +146,37 @@ def test_independent_check_catches_wrong_labels():
 def test_delete_trigger_lists_the_open_cursors_in_order():
     assert hs.delete_trigger([9, 3, 5]) == "Memory management mode\nOpen cursors: 3, 5, 9"
     assert hs.delete_trigger([]) == "Memory management mode\nOpen cursors: none"
+
+
+# The three things a reader of the context can see that make a read response still needed. Written from the
+# generator's visible text, not from its provenance, so the test fails if a label ever depends on something the
+# manager cannot see (then no model could learn it, and the training target would be ill-posed).
+_STATEMENTS = tuple(f"The {w} of " for w in FIELD_WORDS.values())
+
+
+def _visibly_needed(msgs: list[dict]) -> set[int]:
+    question = next(m["content"] for m in msgs if m["role"] == "user")
+    keep = set(hs.unread_cursors(msgs))  # not read yet: the next step reads it
+    for c, m in enumerate(msgs[:-1]):
+        if m["role"] != "tool":
+            continue
+        reader = msgs[c + 1]["content"]
+        if RECAP_REQUEST.strip() in question and reader.startswith(_STATEMENTS):
+            keep.add(c)  # a fact page, and the user asked for every fact to be restated at the end
+        if "Now the other side of the comparison" in reader:
+            keep.add(c)  # the first branch's result, which the comparison's answer needs
+    if len(msgs) >= 3 and "looks relevant; opening it." in msgs[-2]["content"]:
+        keep.add(len(msgs) - 3)  # a detour into a wrong result: the agent goes back to this result list
+    return keep
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), detour=st.floats(0, 1), recap=st.floats(0, 1), compare=st.floats(0, 1),
+       twins=st.floats(0, 1))
+def test_property_deletion_labels_are_decidable_from_the_visible_context(seed, detour, recap, compare, twins):
+    cfg = TraceConfig(world_size=60, detour_rate=detour, recap_rate=recap, compare_rate=compare, twin_rate=twins,
+                      page_words=40, doc_words=80)
+    for t in generate_traces(4, seed, cfg):
+        for b in hs.boundaries(t, 1):
+            open_c = [c for c in t.cursors() if c < b]
+            assert set(hs.expired(t, b)) == set(open_c) - _visibly_needed(t.messages[:b]), (t.task_id, b)
