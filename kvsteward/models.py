@@ -20,6 +20,10 @@ EMBEDDED = {
 _DONE_MARKER = "kvsteward-converted.json"
 
 
+class ModelNotFound(FileNotFoundError):
+    """A model or adapter named by the user is not here. `steward` prints the message without a traceback."""
+
+
 def embedded_dir(name: str) -> Path:
     return data_dir() / "models" / name
 
@@ -79,16 +83,38 @@ def resolve(model: str) -> str:
         return str(pull(model, log=lambda *_: None))  # idempotent: returns at once when already converted
     if Path(model).expanduser().is_dir():
         return str(Path(model).expanduser())
+    if model.startswith(("/", ".", "~")):  # meant as a folder, not a hub id: say so instead of asking the hub
+        raise ModelNotFound(f"model folder {model} does not exist")
     return model
+
+
+def _from_pretrained(loader, model: str, **kwargs):
+    """`loader.from_pretrained` on `resolve(model)`; a name the hub cannot provide becomes a `ModelNotFound` that
+    says what was tried (transformers' own message is about internet connections, which is rarely the point here)."""
+    path = resolve(model)
+    try:
+        return loader.from_pretrained(path, **kwargs)
+    except OSError as e:
+        if Path(path).is_dir():  # a local folder that does not load: its own error says what is wrong with it
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFound(f"cannot load model {model!r}: not an embedded model ({', '.join(sorted(EMBEDDED))}), "
+                            f"not a local folder, and not available from the Hugging Face cache or hub here "
+                            f"({first})") from e
+
+
+def check_adapter(adapter: str | Path) -> None:
+    """Refuse a LoRA adapter folder that cannot load, before the (slow) base model load."""
+    if not (Path(adapter).expanduser() / "adapter_config.json").is_file():
+        raise ModelNotFound(f"adapter folder {adapter} has no adapter_config.json (make one with `steward train lora`)")
 
 
 def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Load (model, tokenizer) for inference. `model` as accepted by `resolve`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model)
-    tok = AutoTokenizer.from_pretrained(path)
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    tok = _from_pretrained(AutoTokenizer, model)
+    m = _from_pretrained(AutoModelForCausalLM, model, dtype=dtype, attn_implementation=attn_implementation)
     m.eval()
     return m, tok
 
@@ -96,7 +122,7 @@ def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: st
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(model))
+    return _from_pretrained(AutoTokenizer, model)
 
 
 def tiny_model(arch: str = "llama", rope_scaling: dict | None = None, seed: int = 0, layers: int = 2,

@@ -30,5 +30,18 @@ app.add_typer(cli_eval.app, name="eval", help="Long-session benchmark and learne
 app.add_typer(cli_serve.app, name="serve", help="Serve over HTTP: OpenAI-compatible + AKV cache ops + sessions.")
 app.add_typer(cli_pipeline.app, name="pipeline", help="The end-to-end pipeline, cached by input hash and resumable.")
 
+
+
+def main() -> None:
+    """The `steward` entry point: the app, with a missing model or adapter reported as one line, not a traceback."""
+    from kvsteward.models import ModelNotFound
+
+    try:
+        app()
+    except ModelNotFound as e:
+        typer.echo(f"error: {e}", err=True)
+        raise SystemExit(2) from e
+
+
 if __name__ == "__main__":
-    app()
+    main()

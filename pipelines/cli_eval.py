@@ -81,6 +81,8 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     unknown = [a for a in arm_list if a not in ARMS]
     if unknown:
         raise typer.BadParameter(f"unknown arms {unknown}; known: {sorted(ARMS)}")
+    if sessions_file is not None and not sessions_file.is_file():  # before the model loads
+        raise typer.BadParameter(f"sessions file {sessions_file} does not exist")
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model)
     if sessions_file is not None:

@@ -60,6 +60,8 @@ class Engine:
         """`model` as accepted by `kvsteward.models.resolve`; `adapter` a PEFT LoRA folder for the aux thread."""
         from kvsteward import models
 
+        if adapter is not None:
+            models.check_adapter(adapter)
         m, tok = models.load(model, dtype=dtype)
         if adapter is not None:
             from peft import PeftModel
