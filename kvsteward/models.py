@@ -88,7 +88,7 @@ def resolve(model: str) -> str:
     return model
 
 
-def _from_pretrained(loader, model: str, **kwargs):
+def from_pretrained(loader, model: str, **kwargs):
     """`loader.from_pretrained` on `resolve(model)`; a name the hub cannot provide becomes a `ModelNotFound` that
     says what was tried (transformers' own message is about internet connections, which is rarely the point here)."""
     path = resolve(model)
@@ -113,8 +113,8 @@ def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: st
     """Load (model, tokenizer) for inference. `model` as accepted by `resolve`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = _from_pretrained(AutoTokenizer, model)
-    m = _from_pretrained(AutoModelForCausalLM, model, dtype=dtype, attn_implementation=attn_implementation)
+    tok = from_pretrained(AutoTokenizer, model)
+    m = from_pretrained(AutoModelForCausalLM, model, dtype=dtype, attn_implementation=attn_implementation)
     m.eval()
     return m, tok
 
@@ -122,7 +122,7 @@ def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: st
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, model)
+    return from_pretrained(AutoTokenizer, model)
 
 
 def tiny_model(arch: str = "llama", rope_scaling: dict | None = None, seed: int = 0, layers: int = 2,

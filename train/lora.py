@@ -94,10 +94,10 @@ def load_base(model: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer or None, resolved path). `model`: `smollm2`, a local folder, or a hub id."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvsteward.models import resolve
+    from kvsteward.models import from_pretrained, resolve
 
     path = resolve(model)
-    _refuse_quantized(AutoConfig.from_pretrained(path), f"model {model!r} ({path})")
+    _refuse_quantized(from_pretrained(AutoConfig, model), f"model {model!r} ({path})")  # a missing model: one line
     base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     _refuse_quantized(base, f"model {model!r} ({path})")
     try:
