@@ -104,7 +104,8 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from kvsteward.eval.longsession import RunConfig, _mean, play
+    from kvsteward.eval.longsession import RunConfig, play
+    from kvsteward.eval.scoring import mean
     from kvsteward.synth.longsession import generate_session
 
     eng = _engine(model)
@@ -134,8 +135,8 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
         answers = "\n".join(f"{r.probe.split(':')[-1]} {'✓' if r.score else '✗'} {r.extra['generated'].strip()[:16]!r}"
                              for r in facts)
         table.add_row(arm, str(n_tokens), str(peak), str(max(r.max_position for r in rows)),
-                      f"{_mean([r.residency for r in facts]):.2f}",
-                      f"{_mean([r.rotary_gap for r in facts]):.0f}", answers)  # gap: resident needed tokens only
+                      f"{mean([r.residency for r in facts]):.2f}",
+                      f"{mean([r.rotary_gap for r in facts]):.0f}", answers)  # gap: resident needed tokens only
         console.log(f"{arm}: {wall:.0f}s")
     # A pipe gets rich's 80 columns by default: too narrow for the table.
     (console if console.is_terminal else Console(stderr=True, width=150)).print(table)

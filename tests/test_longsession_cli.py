@@ -51,3 +51,23 @@ def test_json_contract_and_sessions_file(tiny_folder, tmp_path):
     for arm in ("h2o", "pace"):  # the same sessions through the same deterministic engine: the same numbers
         a, b = replayed["arms"][arm]["by_distance"], result["arms"][arm]["by_distance"]
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_engine_demo_runs_and_keeps_the_budget(tiny_folder):
+    """`steward engine demo` (named in the README) plays the session under each arm and prints one table row each;
+    the peak resident slots stay within B + H."""
+    res = _steward("engine", "demo", "--model", str(tiny_folder), "--length", "1200", "--distance", "300",
+                   "--budget", "128", "--chunk", "64", "--limit", "512", "--arms", "h2o,pace")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "kvsteward engine demo" in res.stderr
+    rows = {}
+    for line in res.stderr.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if cells[0] in ("h2o", "pace"):
+            rows[cells[0]] = cells
+    assert set(rows) == {"h2o", "pace"}, res.stderr[-3000:]
+    for cells in rows.values():
+        assert int(cells[1]) > 1000 and 0 < int(cells[2]) <= 128 + 64, cells  # tokens seen, peak resident slots
+    # max position: h2o keeps the original positions; pace renumbers below L and keeps the definitions (foresight)
+    assert int(rows["h2o"][3]) > 1000 and int(rows["pace"][3]) < 512, rows
+    assert float(rows["pace"][4]) == 1.0 and float(rows["h2o"][4]) < 1.0, rows
