@@ -47,7 +47,7 @@ def _gguf_path(name: str, install: bool) -> Path:
 def pull(name: str = "smollm2", force: bool = False, log=print) -> Path:
     """Convert the embedded GGUF to a clean safetensors folder (idempotent). Returns the folder."""
     if name not in EMBEDDED:
-        raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+        raise ModelNotFound(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
     out = embedded_dir(name)
     if (out / _DONE_MARKER).exists() and not force:
         return out

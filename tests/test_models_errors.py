@@ -63,3 +63,11 @@ def test_steward_prints_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
 
 class _FakeTrace:
     split = "test"
+
+
+def test_pull_of_an_unknown_embedded_model_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["steward", "models", "pull", "nope"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: unknown embedded model 'nope'; known: ['smollm2']"

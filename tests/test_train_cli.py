@@ -51,3 +51,19 @@ def test_missing_dataset_and_bad_options_are_named(files):
     assert res.exit_code == 2 and "hard_weight must be ≥ 1" in res.stderr
     res = _run(files, "--model", str(files / "tiny"), "--skip-trivial")  # random ids: no deletion rows to weigh
     assert res.exit_code == 2 and "need the hindsight columns" in res.stderr
+
+
+def test_toy_data_writes_three_splits_of_chat_rows(tmp_path):
+    from datasets import load_from_disk
+
+    from kvsteward.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    tok.save_pretrained(tmp_path / "tok")
+    res = CliRunner().invoke(app, ["train", "toy-data", "--out", str(tmp_path / "toy"), "--model",
+                                   str(tmp_path / "tok"), "--rows", "20"])
+    assert res.exit_code == 0, res.stderr[-2000:]
+    ds = load_from_disk(str(tmp_path / "toy"))
+    assert set(ds) == {"train", "validation", "test"} and sum(len(s) for s in ds.values()) == 20
+    row = ds["train"][0]
+    assert len(row["input_ids"]) == len(row["labels"]) and any(x != -100 for x in row["labels"])
