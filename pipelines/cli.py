@@ -31,7 +31,6 @@ app.add_typer(cli_serve.app, name="serve", help="Serve over HTTP: OpenAI-compati
 app.add_typer(cli_pipeline.app, name="pipeline", help="The end-to-end pipeline, cached by input hash and resumable.")
 
 
-
 def main() -> None:
     """The `steward` entry point: the app, with a missing model or adapter reported as one line, not a traceback."""
     from kvsteward.models import ModelNotFound
