@@ -198,6 +198,28 @@ def test_triton_interpreter_equals_torch_reference(monkeypatch, layout, head_dim
     assert torch.equal(got[..., rotary_dim:], ref_k[..., rotary_dim:].to(out_dtype))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the Triton kernel for a real GPU")
+@pytest.mark.parametrize("layout,head_dim,rotary_dim", TRITON_CASES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_triton_on_cuda_equals_torch_on_cuda_and_the_cpu_reference(monkeypatch, layout, head_dim, rotary_dim,
+                                                                    out_dtype):
+    """The GPU check (skipped without CUDA): the compiled kernel against the torch path on the same device, and
+    against the CPU reference within float32 rounding of the float64 angles."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    inv = 1.0 / (1e5 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    spec = RopeSpec(inv, head_dim, rotary_dim, layout, "default", 1.0)
+    gen = torch.Generator().manual_seed(7)
+    ref_k = torch.randn(2, 3, 37, head_dim, generator=gen)
+    delta = torch.randint(-32768, 32768, (37,), generator=gen)
+    got = rerotate(ref_k.cuda(), delta.cuda(), spec, out_dtype)  # "auto" picks triton for a CUDA tensor
+    same_device = rerotate(ref_k.cuda(), delta.cuda(), spec, out_dtype, backend="torch")
+    assert got.is_cuda and got.dtype == out_dtype
+    assert torch.equal(got, same_device)  # same cos/sin, unfused float32 ops on both paths
+    want = rerotate_reference(ref_k, delta, spec, torch.float32).double()
+    tol = torch.full_like(want, 1e-5) if out_dtype == torch.float32 else check.bf16_ulp(want)
+    assert ((got.cpu().double() - want).abs() <= tol).all()
+
+
 def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     spec = spec_of("default")
