@@ -35,3 +35,15 @@ def valkey_url(tmp_path_factory):
     yield f"valkey://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved with SmolLM2's tokenizer: a model folder the CLI loads in seconds."""
+    from kvsteward.models import load_tokenizer, tiny_model
+
+    tok = load_tokenizer("smollm2")
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama", seed=3, vocab=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -8,19 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from kvsteward.models import load_tokenizer, tiny_model
-
-    tok = load_tokenizer("smollm2")
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama", seed=3, vocab=len(tok)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
 
 def _steward(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
