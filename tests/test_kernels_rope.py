@@ -181,15 +181,20 @@ def test_500_renumbers_reference_path_does_not_drift_chained_does(rope_type):
 TRITON_CASES = [(lay, hd, rd) for lay in LAYOUTS for hd, rd in ((64, 64), (80, 40), (12, 8))]
 
 
+def _triton_case(layout: str, head_dim: int, rotary_dim: int) -> tuple[RopeSpec, torch.Tensor, torch.Tensor]:
+    """A spec and random keys / deltas for one kernel case (leading dims of the keys are flattened by the kernel)."""
+    inv = 1.0 / (1e5 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    spec = RopeSpec(inv, head_dim, rotary_dim, layout, "default", 1.0)
+    gen = torch.Generator().manual_seed(7)
+    ref_k = torch.randn(2, 3, 37, head_dim, generator=gen)
+    return spec, ref_k, torch.randint(-32768, 32768, (37,), generator=gen)
+
+
 @pytest.mark.parametrize("layout,head_dim,rotary_dim", TRITON_CASES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_triton_interpreter_equals_torch_reference(monkeypatch, layout, head_dim, rotary_dim, out_dtype):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel is jitted lazily, so this takes effect here
-    inv = 1.0 / (1e5 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    spec = RopeSpec(inv, head_dim, rotary_dim, layout, "default", 1.0)
-    gen = torch.Generator().manual_seed(7)
-    ref_k = torch.randn(2, 3, 37, head_dim, generator=gen)  # leading dims are flattened by the kernel
-    delta = torch.randint(-32768, 32768, (37,), generator=gen)
+    spec, ref_k, delta = _triton_case(layout, head_dim, rotary_dim)
     got = rerotate(ref_k, delta, spec, out_dtype)  # "auto" picks triton under TRITON_INTERPRET=1
     want = rerotate_reference(ref_k, delta, spec, out_dtype)
     assert got.dtype == out_dtype and got.shape == ref_k.shape
@@ -206,11 +211,7 @@ def test_triton_on_cuda_equals_torch_on_cuda_and_the_cpu_reference(monkeypatch, 
     """The GPU check (skipped without CUDA): the compiled kernel against the torch path on the same device, and
     against the CPU reference within float32 rounding of the float64 angles."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    inv = 1.0 / (1e5 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
-    spec = RopeSpec(inv, head_dim, rotary_dim, layout, "default", 1.0)
-    gen = torch.Generator().manual_seed(7)
-    ref_k = torch.randn(2, 3, 37, head_dim, generator=gen)
-    delta = torch.randint(-32768, 32768, (37,), generator=gen)
+    spec, ref_k, delta = _triton_case(layout, head_dim, rotary_dim)
     got = rerotate(ref_k.cuda(), delta.cuda(), spec, out_dtype)  # "auto" picks triton for a CUDA tensor
     same_device = rerotate(ref_k.cuda(), delta.cuda(), spec, out_dtype, backend="torch")
     assert got.is_cuda and got.dtype == out_dtype
