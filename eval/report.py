@@ -89,19 +89,35 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+_MARKERS = "osD^v<>pXh*"
+
+
+def _marker_style(i: int) -> dict:
+    """Hollow markers that shrink with the arm's index: arms with the same value at a point (often several at 0)
+    show as concentric rings instead of hiding each other. The colour follows the index too, so an arm has the same
+    colour in both plots even where the gap plot leaves arms out."""
+    return dict(color=f"C{i % 10}", marker=_MARKERS[i % len(_MARKERS)], markersize=max(3.0, 11.0 - i),
+                markerfacecolor="none")
+
+
+def _finish(fig, ax, legend: bool) -> None:
+    ax.grid(alpha=0.3)
+    if legend:  # outside the axes: inside, it covers points at the right edge (the far distances)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+
+
 def _plot_distance(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for arm, rec in result["arms"].items():
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
+    for i, (arm, rec) in enumerate(result["arms"].items()):
         pts = sorted((int(d), c["forced_acc"]) for d, c in rec["by_distance"].items() if _finite(c["forced_acc"]))
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
+            ax.plot(*zip(*pts, strict=True), label=arm, **_marker_style(i))
     ax.set(xlabel="distance D from definitions to probe (tokens)", ylabel="forced-prefix accuracy", ylim=(-0.03, 1.03),
            title="Accuracy vs distance")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    _finish(fig, ax, legend=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -132,22 +148,18 @@ def _gap_points(result: dict) -> dict[str, list[tuple[float, float]]]:
 def _plot_gap(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    markers = "osD^v<>pXh*"
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.2))
     points = _gap_points(result)
     for i, arm in enumerate(result["arms"]):
         if arm in points:
             xs, ys = zip(*points[arm], strict=True)
-            ax.scatter(xs, ys, marker=markers[i % len(markers)], label=arm, s=40)
+            ax.plot(xs, ys, linestyle="none", label=arm, **_marker_style(i))
     if not points:
         ax.text(0.5, 0.5, f"no point has residency ≥ {MATCHED_RESIDENCY}", ha="center", transform=ax.transAxes)
     ax.set(xlabel="rotary gap: mean query → needed-token distance (positions the model sees)",
            ylabel="forced-prefix accuracy", ylim=(-0.03, 1.03),
            title=f"Accuracy vs rotary gap (residency ≥ {MATCHED_RESIDENCY})")
-    ax.grid(alpha=0.3)
-    if points:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    _finish(fig, ax, legend=bool(points))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
