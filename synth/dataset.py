@@ -251,10 +251,11 @@ def log_to_mlflow(dd, name: str) -> bool:
     """Log each split as an MLflow dataset input when a run is active; no-op otherwise."""
     import mlflow
 
+    from kvsteward.train.tracking import log_dataset  # the same schema handling as the training run's input
+
     if mlflow.active_run() is None:
         return False
     for split in SPLITS:
         if len(dd[split]):
-            ds = mlflow.data.from_huggingface(dd[split], name=f"{name}-{split}")
-            mlflow.log_input(ds, context="training" if split == "train" else split)
+            log_dataset(dd[split], f"{name}-{split}", context="training" if split == "train" else split)
     return True

@@ -76,3 +76,26 @@ def test_cli_run_is_fully_tracked(home, tmp_path):
                                                        dst_path=str(tmp_path / "dl")))
     a, b = load_file(fetched / "adapter_model.safetensors"), load_file(adapter / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dataset_input_has_a_schema_when_a_column_holds_only_empty_lists(tmp_path, monkeypatch, caplog):
+    """Per-boundary rows carry the packed-row columns as empty lists; mlflow alone cannot type such a column and
+    logs no schema plus the whole column as a warning. The logged input must have a schema of the other columns."""
+    import logging
+
+    import mlflow
+    from datasets import Dataset
+    from mlflow.types import Schema
+
+    from kvsteward.train.tracking import dataset_schema, log_dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4]], "position_ids": [[], []], "is_aux": [True, False]})
+    assert set(dataset_schema(ds).input_names()) == {"input_ids", "is_aux"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/ml.db")
+    with caplog.at_level(logging.WARNING), mlflow.start_run() as run:
+        log_dataset(ds, "rows:train", context="training")
+    assert not [r for r in caplog.records if "schema" in r.getMessage()]
+    (inp,) = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    schema = Schema.from_json(json.dumps(json.loads(inp.dataset.schema)["mlflow_colspec"]))
+    assert set(schema.input_names()) == {"input_ids", "is_aux"}
+    assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"

@@ -84,8 +84,8 @@ def log_params_once(params: dict) -> None:
         mlflow.set_tags(changed)
 
 
-def log_dataset(ds, name: str, source: str) -> None:
-    """Record the training split as the run's input (digest, schema, row count)."""
+def log_dataset(ds, name: str, source: str | None = None, context: str = "training") -> None:
+    """Record a dataset split as an input of the active run (digest, schema, row count)."""
     import warnings
 
     import mlflow
@@ -95,7 +95,26 @@ def log_dataset(ds, name: str, source: str) -> None:
     # about integer columns (token ids never go missing).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        mlflow.log_input(mlflow.data.from_huggingface(ds, source=source, name=name), context="training")
+        dataset = mlflow.data.from_huggingface(ds, source=source, name=name)
+        dataset.__dict__["schema"] = dataset_schema(ds)  # fills mlflow's cached_property before it infers its own
+        mlflow.log_input(dataset, context=context)
+
+
+def dataset_schema(ds, rows: int = 10_000):
+    """The MLflow schema of `ds` (its first `rows` rows), leaving out list columns that are empty in all of them.
+
+    mlflow infers the schema itself, but it cannot type a column of empty lists (the packed-row columns such as
+    `position_ids` on per-boundary rows) and then logs the whole pandas column as a multi-kilobyte warning and no
+    schema at all. Such a column carries nothing, so it is left out of the schema (the digest still covers it)."""
+    from mlflow.types.utils import _infer_schema
+
+    df = ds.select(range(min(rows, ds.num_rows))).to_pandas()
+    empty = [c for c in df.columns if df[c].dtype == object and len(df) and df[c].map(
+        lambda v: hasattr(v, "__len__") and not isinstance(v, str) and len(v) == 0).all()]
+    try:
+        return _infer_schema(df.drop(columns=empty))
+    except Exception:  # noqa: BLE001 -- a schema is optional metadata; the input is logged without one, as mlflow does
+        return None
 
 
 def log_adapter(adapter_dir: Path, register: bool = True, name: str = MODEL_NAME):
