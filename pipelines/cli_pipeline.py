@@ -66,12 +66,15 @@ def _print_findings(summary: dict) -> None:
     console.print(f"MLflow training run {run_id}; browse: mlflow ui --backend-store-uri {default_tracking_uri()}")
     man = summary.get("manager", {}).get("result")
     if man:
-        t = Table(title="memory manager on held-out traces (vs hindsight labels)")
-        cols = ("f1", "precision", "recall", "harmful_rate", "parse_fail_rate", "peak_tokens_reduction",
-                "kv_reads_reduction")
+        # Short headers: the JSON names do not fit an 80-column log (rich cut them to "precisi…", "harmfu…").
+        cols = {"f1": "F1", "precision": "prec", "recall": "recall", "harmful_rate": "harmful",
+                "parse_fail_rate": "parse fail", "peak_tokens_reduction": "peak ↓", "kv_reads_reduction": "reads ↓"}
+        t = Table(title="memory manager on held-out traces (vs hindsight labels)",
+                  caption="harmful: share of deletions a later step reads; peak ↓ / reads ↓: peak resident tokens / "
+                          "KV reads saved against the replay without deletions")
         t.add_column("manager")
-        for c in cols:
-            t.add_column(c)
+        for header in cols.values():
+            t.add_column(header)
         for arm in ("base", "adapter"):
             if arm in man:
                 t.add_row(arm, *(f"{man[arm].get(c, float('nan')):.2f}" for c in cols))

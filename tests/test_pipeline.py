@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -40,3 +41,20 @@ def test_failed_stage_is_not_marked_done_and_resumes(tmp_path):
     done = run_pipeline(PipelineConfig(), tmp_path, stage_list=_stages(1), **kw)
     assert done["a"]["cached"] and not done["b"]["cached"]
     assert json.loads((tmp_path / f"b-{done['b']['hash']}" / "stage.json").read_text())["result"] == {"stage": "b"}
+
+
+def test_findings_table_fits_an_80_column_log(monkeypatch):
+    """`make demo` prints into a log (no tty: rich uses 80 columns); every manager column must stay readable."""
+    from rich.console import Console
+
+    import kvsteward.pipelines.cli_pipeline as cli
+
+    monkeypatch.setattr(cli, "console", Console(width=80, record=True, file=io.StringIO()))
+    arm = {"f1": 0.74, "precision": 0.59, "recall": 1.0, "harmful_rate": 0.41, "parse_fail_rate": 0.0,
+           "peak_tokens_reduction": 0.35, "kv_reads_reduction": 0.32}
+    cli._print_findings({"manager": {"result": {"base": arm, "adapter": dict(arm, f1=0.08)}}})
+    text = cli.console.export_text()
+    assert "…" not in text
+    header = next(line for line in text.splitlines() if "manager" in line and "F1" in line)
+    assert all(h in header for h in ("prec", "recall", "harmful", "parse fail", "peak ↓", "reads ↓"))
+    assert "0.74" in text and "0.08" in text
