@@ -106,6 +106,7 @@ def dataset_schema(ds, rows: int = 10_000):
     mlflow infers the schema itself, but it cannot type a column of empty lists (the packed-row columns such as
     `position_ids` on per-boundary rows) and then logs the whole pandas column as a multi-kilobyte warning and no
     schema at all. Such a column carries nothing, so it is left out of the schema (the digest still covers it)."""
+    # mlflow's own inference routine (private, but the one its HF dataset uses): from_huggingface takes no schema.
     from mlflow.types.utils import _infer_schema
 
     df = ds.select(range(min(rows, ds.num_rows))).to_pandas()
