@@ -43,6 +43,9 @@ def lora(
     hard_weight: int = typer.Option(1, help="repeat each hard deletion row (a read cursor still needed) N times"),
     skip_trivial: bool = typer.Option(False, "--skip-trivial",
                                       help="leave out deletion rows whose open cursors are all unread (never decoded)"),
+    adapter_scope: str = typer.Option("all", help="all: the adapter on every token (main rows distilled); aux: only on "
+                                      "the aux thread's tokens over the base model's context, as `steward serve` runs "
+                                      "it (no KL term, main rows unused)"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
 ) -> None:
@@ -54,7 +57,7 @@ def lora(
                         lambda_kl=lambda_kl, batch_size=batch_size, grad_accum=grad_accum, max_len=max_len,
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
-                        hard_weight=hard_weight, skip_trivial=skip_trivial)
+                        hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope)
     try:
         cfg.check()
     except ValueError as e:

@@ -40,6 +40,7 @@ class PipelineConfig:
     lr: float = 3e-4
     batch_size: int = 2
     top_layers: int = 0
+    adapter_scope: str = "all"  # `steward train lora --adapter-scope`
     train_minutes: float = 0.0
     manager_traces: int = 3
     bench_length: int = 4096
@@ -75,12 +76,14 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
                                str(cfg.max_len), "--plan" if cfg.plan else "--no-plan", "--model", m, "--out",
                                str(out / "ds"), "--json"]),
         Stage("train", {"steps": cfg.train_steps, "max_len": cfg.max_len, "rank": cfg.rank, "lr": cfg.lr, "model": m,
-                        "batch_size": cfg.batch_size, "top_layers": cfg.top_layers, "minutes": cfg.train_minutes},
+                        "batch_size": cfg.batch_size, "top_layers": cfg.top_layers, "minutes": cfg.train_minutes,
+                        "adapter_scope": cfg.adapter_scope},
               ["hindsight"],
               lambda out, up: ["train", "lora", "--model", m, "--data", str(up["hindsight"] / "ds"), "--max-steps",
                                str(cfg.train_steps), "--max-len", str(cfg.max_len), "--rank", str(cfg.rank),
                                "--lr", str(cfg.lr), "--batch-size", str(cfg.batch_size), "--top-layers",
-                               str(cfg.top_layers), "--max-minutes", str(cfg.train_minutes), "--out", str(out),
+                               str(cfg.top_layers), "--max-minutes", str(cfg.train_minutes), "--adapter-scope",
+                               cfg.adapter_scope, "--out", str(out),
                                "--resume", "--json"]),
         Stage("manager", {"traces": cfg.manager_traces, "every": cfg.every, "model": m}, ["hindsight", "train"],
               lambda out, up: ["eval", "manager", "--model", m, "--adapter", _adapter(up["train"]), "--data",

@@ -62,6 +62,8 @@ def features():
         "messages": Value("string"), "open_cursors": Sequence(Value("int32")),
         "masked_cursors": Sequence(Value("int32")), "target": Value("string"), "blueprint": Value("string"),
         "label_source": Value("string"), "n_tokens": Value("int32"), "truncated": Value("bool"),
+        # aux rows: where the serving fork starts (the trigger message's first token); 0 on main and packed rows
+        "fork_at": Value("int32"),
         # packed rows only (empty elsewhere): see synth/packed.py
         **{k: Sequence(Value("int32")) for k in PACKED_COLUMNS},
     })
@@ -71,7 +73,7 @@ def _row(trace: Trace, kind: str, step: int, ids: list[int], labels: list[int], 
     row = {"task_id": trace.task_id, "split": trace.split, "kind": kind, "is_aux": kind != "main", "step": step,
            "input_ids": ids, "labels": labels, "messages": json.dumps(messages, ensure_ascii=False),
            "open_cursors": [], "masked_cursors": [], "target": "", "blueprint": "",
-           "label_source": trace.label_source, "n_tokens": len(ids), "truncated": False,
+           "label_source": trace.label_source, "n_tokens": len(ids), "truncated": False, "fork_at": 0,
            **{k: [] for k in PACKED_COLUMNS}}
     row.update(extra)
     return row
@@ -107,11 +109,11 @@ def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.Au
     out = []
     for kind, trigger, target in hs.calls(trace, ctx, cfg.plan):
         msgs = hs.with_trigger(ctx, trigger, target)
-        ids, labels, _ = ptok.tokenize(msgs, {len(msgs) - 1})
+        ids, labels, starts = ptok.tokenize(msgs, {len(msgs) - 1})
         if len(ids) > cfg.max_tokens:
             return None
         out.append(_row(trace, kind, ctx.boundary, ids, labels, msgs, open_cursors=ctx.open_cursors,
-                        masked_cursors=ctx.masked, target=hs.target_text(target)))
+                        masked_cursors=ctx.masked, target=hs.target_text(target), fork_at=starts[-2]))
     return out
 
 

@@ -137,6 +137,7 @@ def test_serving_aux_context_is_the_training_row(engine, tok):
     s = engine.session("full")
     for m, ids in zip(ctx.messages, message_token_ids(tok, ctx.messages), strict=True):
         s.append(ids, kind=m["role"])
+    assert row["fork_at"] == s.n_logical  # where the aux thread forks (`--adapter-scope aux` trains from there)
     fork = s.fork(shared=True)
     steps = aux_steps(fork, tok, ctx.messages, ctx.open_cursors)
     next(steps), next(steps)  # trigger prefill, then the forced opener

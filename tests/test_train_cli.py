@@ -67,3 +67,22 @@ def test_toy_data_writes_three_splits_of_chat_rows(tmp_path):
     assert set(ds) == {"train", "validation", "test"} and sum(len(s) for s in ds.values()) == 20
     row = ds["train"][0]
     assert len(row["input_ids"]) == len(row["labels"]) and any(x != -100 for x in row["labels"])
+
+
+def test_adapter_scope_aux_trains_without_main_rows_and_refuses_rows_without_a_fork(files):
+    """`--adapter-scope aux`: main rows are left out (no KL term, `final_kl_main` null) and the adapter is written;
+    a dataset whose aux rows lack `fork_at` is refused by name."""
+    res = _run(files, "--model", str(files / "tiny"), "--adapter-scope", "aux", "--max-steps", "2")
+    assert res.exit_code == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["steps"] == 2 and out["final_kl_main"] is None and out["final_ce_aux"] > 0
+    assert "main rows left out" in res.stderr
+    assert (files / "run" / "adapter" / "adapter_model.safetensors").exists()
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(files / "ds"))
+    ds.map(lambda r: {"fork_at": 0}).save_to_disk(str(files / "old"))
+    res = _run(files, "--model", str(files / "tiny"), "--adapter-scope", "aux", "--data", str(files / "old"))
+    assert res.exit_code == 2 and "no fork point" in res.stderr and "--adapter-scope all" in res.stderr
+    res = _run(files, "--model", str(files / "tiny"), "--adapter-scope", "aux", "--deepspeed", "zero3")
+    assert res.exit_code == 2 and "ZeRO-3" in res.stderr

@@ -15,11 +15,14 @@ from kvsteward.train.toy import chat_dataset, random_ids_dataset
 
 
 def test_collator_pads_labels_with_ignore_and_keeps_is_aux():
-    rows = [{"input_ids": [4, 5, 6], "labels": [-100, 5, 6], "is_aux": True, "kind": "delete", "messages": "[]"},
+    rows = [{"input_ids": [4, 5, 6], "labels": [-100, 5, 6], "is_aux": True, "kind": "delete", "messages": "[]",
+             "fork_at": 1},
             {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, -100, -100, 10, 11], "is_aux": False, "kind": "main",
-             "messages": "[]"}]
+             "messages": "[]", "fork_at": 0}]
     batch = Collator(pad_id=2)(rows)
-    assert set(batch) == {"input_ids", "labels", "attention_mask", "is_aux", "aux_tokens"}
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "is_aux", "aux_tokens", "lengths", "aux_thread"}
+    assert batch["lengths"].tolist() == [3, 5]
+    assert batch["aux_thread"].int().tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]  # from fork_at; none on main
     assert batch["input_ids"].tolist() == [[4, 5, 6, 2, 2], [7, 8, 9, 10, 11]]
     assert batch["labels"].tolist() == [[-100, 5, 6, -100, -100], [-100, -100, -100, 10, 11]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
@@ -37,6 +40,7 @@ def test_collator_mixes_packed_and_plain_rows():
     batch = Collator(pad_id=0)([packed, plain])
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 3, 4]]
     assert batch["aux_tokens"].int().tolist() == [[0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+    assert batch["aux_thread"].int().tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]  # the branch: segment > 0
     m = batch["attention_mask"][:, 0].int().tolist()
     assert m[0] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 1]]
     assert m[1] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]

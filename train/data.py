@@ -142,13 +142,41 @@ def tree_mask(segment: torch.Tensor, time: torch.Tensor, expire: torch.Tensor, v
     return mask[:, None]
 
 
+def aux_thread_tokens(rows: list[dict], width: int) -> torch.Tensor:
+    """(B, width) bool: the tokens the serving aux thread computes itself, on a fork of the main context — a packed
+    row's branches (segment > 0), an aux row's tokens from `fork_at` on (trigger, opener, target); none on a main row.
+    Everything else is the main context, which the server computes with the base model (`--adapter-scope aux`)."""
+    out = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.get("segment"):
+            out[i, :len(r["segment"])] = torch.as_tensor(r["segment"]) > 0
+        elif r["is_aux"]:
+            out[i, int(r.get("fork_at") or 0):len(r["input_ids"])] = True
+    return out
+
+
+def check_fork_points(ds: Dataset) -> None:
+    """`--adapter-scope aux` needs to know where each aux row's fork starts: refuse aux rows without `fork_at`."""
+    cols = ds.column_names
+    has_fork = "fork_at" in cols
+    packed = ds["segment"] if "segment" in cols else [None] * len(ds)
+    forks = ds["fork_at"] if has_fork else [0] * len(ds)
+    bad = sum(1 for aux, seg, f in zip(ds["is_aux"], packed, forks, strict=True) if aux and not seg and not f)
+    if bad:
+        raise DataError(f"{bad} aux rows have no fork point (column `fork_at` {'is 0' if has_fork else 'missing'}): "
+                        "rebuild the dataset with this version of `steward synth hindsight`, or train with "
+                        "--adapter-scope all")
+
+
 @dataclass
 class Collator:
     """Right-pads `input_ids` (pad id), `labels` (−100) and `attention_mask` (0); keeps `is_aux` as a bool tensor.
 
     `aux_tokens` marks the tokens whose labels are CE targets: every labelled token of an aux row, the branch
-    tokens of a packed row (its trunk labels are the KL mask, as a main row's). A batch with a packed row gets a
-    4-D `attention_mask` (`tree_mask`) and `position_ids`; other rows in it get plain causal masks.
+    tokens of a packed row (its trunk labels are the KL mask, as a main row's). `aux_thread` marks the tokens the
+    serving aux thread computes on its fork (`aux_thread_tokens`), `lengths` the unpadded row lengths. A batch with
+    a packed row gets a 4-D `attention_mask` (`tree_mask`) and `position_ids`; other rows in it get plain causal
+    masks.
 
     Other columns (kind, messages, ...) are dropped here, which is why the Trainer runs with
     `remove_unused_columns=False`: its own column filter would remove `is_aux` before this sees it.
@@ -170,7 +198,8 @@ class Collator:
             mask[i, :n] = 1
         is_aux = torch.tensor([bool(r["is_aux"]) for r in rows], dtype=torch.bool)
         out = {"input_ids": ids, "labels": labels, "attention_mask": mask, "is_aux": is_aux,
-               "aux_tokens": (labels != IGNORE) & is_aux[:, None]}
+               "aux_tokens": (labels != IGNORE) & is_aux[:, None], "lengths": mask.sum(dim=1),
+               "aux_thread": aux_thread_tokens(rows, width)}
         if any(r.get("segment") for r in rows):
             out.update(self._packed(rows, width, mask.bool(), labels, is_aux))
         return out

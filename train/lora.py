@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvsteward.train.data import Collator, check_vocab, fit_length, load_splits, weigh_delete_rows
+from kvsteward.train.data import Collator, check_fork_points, check_vocab, fit_length, load_splits, weigh_delete_rows
 
 
 class QuantizedModelError(ValueError):
@@ -41,6 +41,7 @@ class LoraRunConfig:
     max_minutes: float = 0.0  # wall-clock training budget of this process; 0 = none (stop at max_steps)
     hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
     skip_trivial: bool = False  # leave out deletion rows whose open cursors are all unread (never decoded)
+    adapter_scope: str = "all"  # all | aux: the adapter on every token, or only on the aux thread's (train.trainer)
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -61,6 +62,13 @@ class LoraRunConfig:
             bad.append(f"lambda_kl must be ≥ 0 (got {self.lambda_kl})")
         if self.deepspeed not in ("none", "zero2", "zero3"):
             bad.append(f"deepspeed must be none, zero2 or zero3 (got {self.deepspeed!r})")
+        if self.adapter_scope not in ("all", "aux"):
+            bad.append(f"adapter_scope must be all or aux (got {self.adapter_scope!r})")
+        elif self.adapter_scope == "aux" and self.deepspeed == "zero3":
+            # ZeRO-3 gathers weights collectively in every forward; the aux scope calls the model twice per aux row,
+            # so ranks holding different numbers of aux rows would deadlock.
+            bad.append("adapter_scope aux does not run under ZeRO-3 (ranks would call the model different numbers "
+                       "of times); use zero2 or none")
         if bad:
             raise ValueError("; ".join(bad))
 
@@ -189,6 +197,12 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     if cfg.hard_weight > 1 or cfg.skip_trivial:
         log(f"deletion rows by difficulty {dict(difficulty)}: hard ×{cfg.hard_weight}"
             f"{', trivial left out' if cfg.skip_trivial else ''} → {len(train)} train rows")
+    if cfg.adapter_scope == "aux":
+        check_fork_points(train)
+        main_rows = [i for i, aux in enumerate(train["is_aux"]) if not aux]
+        if main_rows:  # the served main thread never runs the adapter: nothing to distil, so no use in training
+            train = train.select([i for i, aux in enumerate(train["is_aux"]) if aux])
+            log(f"--adapter-scope aux: {len(main_rows)} main rows left out (the main thread runs the base model)")
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     model = wrap_lora(base, cfg)
@@ -216,7 +230,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
     callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + budget + list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, data_collator=Collator(_pad_id(tokenizer,
-                             base.config)), lambda_kl=cfg.lambda_kl, tile_rows=cfg.tile_rows, callbacks=callbacks)
+                             base.config)), lambda_kl=cfg.lambda_kl, tile_rows=cfg.tile_rows, callbacks=callbacks,
+                             adapter_scope=cfg.adapter_scope)
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout, which carries the CLI's JSON

@@ -1,6 +1,6 @@
 """Small datasets in the hindsight format, for tests and timing runs (not for real training).
 
-Two flavours, same columns as `steward synth hindsight` (input_ids, labels, is_aux, kind, messages):
+Two flavours, same columns as `steward synth hindsight` (input_ids, labels, is_aux, kind, messages, fork_at):
 - `random_ids_dataset`: random token ids inside a tiny model's vocabulary; aux targets are a fixed token sequence
   (a learnable toy target), main rows label a random span (the KL mask).
 - `chat_dataset`: real chat text through a tokenizer's template; aux rows list cursors with a status and answer the
@@ -41,12 +41,14 @@ def random_ids_dataset(vocab: int = 256, rows: int = 40, length: tuple[int, int]
         if is_aux:
             ctx = [rng.randrange(10, vocab) for _ in range(n)]
             ids, labels = ctx + list(target), [IGNORE] * n + list(target)
+            fork_at = n - 2  # the aux thread's tokens start unlabelled, as a trigger message does
         else:
             ids = [rng.randrange(10, vocab) for _ in range(n)]
             cut = n - n // 3
             labels = [IGNORE] * cut + ids[cut:]
+            fork_at = 0
         out.append({"input_ids": ids, "labels": labels, "is_aux": is_aux, "kind": "delete" if is_aux else "main",
-                    "messages": "[]"})
+                    "messages": "[]", "fork_at": fork_at})
     return _split(out, seed)
 
 
@@ -67,7 +69,9 @@ def _aux_row(tokenizer, rng: random.Random, cursors: int) -> dict:
     msgs = [{"role": "user", "content": "\n".join(lines)}, {"role": "user", "content": TRIGGER},
             {"role": "assistant", "content": answer}]
     ids, labels = _labelled(tokenizer, msgs)
-    return {"input_ids": ids, "labels": labels, "is_aux": True, "kind": "delete", "messages": json.dumps(msgs)}
+    fork_at = len(message_token_ids(tokenizer, msgs[:1])[0])  # the trigger message's first token
+    return {"input_ids": ids, "labels": labels, "is_aux": True, "kind": "delete", "messages": json.dumps(msgs),
+            "fork_at": fork_at}
 
 
 def _main_row(tokenizer, rng: random.Random, words: int) -> dict:
@@ -75,7 +79,8 @@ def _main_row(tokenizer, rng: random.Random, words: int) -> dict:
     msgs = [{"role": "user", "content": f"Summarise these steps: {topic}"},
             {"role": "assistant", "content": f"The steps were: {topic}. Next I will {rng.choice(_WORDS)} again."}]
     ids, labels = _labelled(tokenizer, msgs)
-    return {"input_ids": ids, "labels": labels, "is_aux": False, "kind": "main", "messages": json.dumps(msgs)}
+    return {"input_ids": ids, "labels": labels, "is_aux": False, "kind": "main", "messages": json.dumps(msgs),
+            "fork_at": 0}
 
 
 def chat_dataset(tokenizer, rows: int = 40, cursors: tuple[int, int] = (8, 40), words: tuple[int, int] = (20, 150),

@@ -3,6 +3,9 @@
 The teacher is the same PEFT model with its adapter disabled (`disable_adapter()`), so there is no second copy of
 the weights; its forward runs on every micro-batch on every rank, even when the batch holds no main row, because
 ZeRO-3 gathers parameters collectively and ranks that call the model a different number of times deadlock.
+
+`adapter_scope="aux"` trains the manager as `steward serve` runs it: the main context through the base model, only the
+aux thread's own tokens with the adapter (`_aux_thread_loss`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ import torch
 from transformers import Trainer
 
 from kvsteward.train.loss import IGNORE, ce_sum, kl_sum, target_positions
+
+# all: the adapter runs on every token of a row (main rows distilled toward the base model);
+# aux: only on the tokens the serving aux thread computes itself, over the base model's K/V of the main context.
+ADAPTER_SCOPES = ("all", "aux")
 
 
 class HeadMismatchError(RuntimeError):
@@ -22,10 +29,13 @@ class StewardTrainer(Trainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, lambda_kl: float = 1.0, tile_rows: int = 1024, kl_temperature: float = 1.0,
-                 share_trunk: bool = True, **kwargs):
+                 share_trunk: bool = True, adapter_scope: str = "all", **kwargs):
         super().__init__(*args, **kwargs)
         if lambda_kl < 0:
             raise ValueError(f"lambda_kl must be ≥ 0, got {lambda_kl}")
+        if adapter_scope not in ADAPTER_SCOPES:
+            raise ValueError(f"adapter_scope must be one of {ADAPTER_SCOPES}, got {adapter_scope!r}")
+        self.adapter_scope = adapter_scope
         if tile_rows < 1:
             raise ValueError(f"tile_rows must be ≥ 1, got {tile_rows}")
         self.lambda_kl = lambda_kl
@@ -44,8 +54,8 @@ class StewardTrainer(Trainer):
 
     # -- forward passes -------------------------------------------------------------------------------------------
     def _hidden(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None,
-                catch_trunk: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, dict] | None]:
+                position_ids: torch.Tensor | None = None, catch_trunk: bool = False,
+                past_key_values=None) -> tuple[torch.Tensor, tuple[torch.Tensor, dict] | None]:
         """Final (post-norm) hidden states, caught at the decoder's output by a hook; with `catch_trunk`, also the
         input to the lowest adapted layer (hidden states, layer kwargs) for `_upper_layers`, else None.
 
@@ -55,9 +65,7 @@ class StewardTrainer(Trainer):
         which every attention implementation reads the same way (eager adds it; SDPA accepts it).
         """
         if attention_mask.dim() == 4:
-            dtype = self._head().weight.dtype
-            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill(
-                ~attention_mask.bool(), torch.finfo(dtype).min)
+            attention_mask = self._additive(attention_mask)
         caught: list[torch.Tensor] = []
         trunk: list[tuple[torch.Tensor, dict]] = []
         decoder = self._peft().get_base_model().get_decoder()
@@ -69,7 +77,7 @@ class StewardTrainer(Trainer):
             handles.append(decoder.layers[first].register_forward_pre_hook(keep, with_kwargs=True))
         try:
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=1, use_cache=False)
+                        logits_to_keep=1, use_cache=past_key_values is not None, past_key_values=past_key_values)
         finally:
             for h in handles:
                 h.remove()
@@ -77,6 +85,13 @@ class StewardTrainer(Trainer):
         if not self._head_checked:
             self._check_head(hidden, out.logits)
         return hidden, (trunk[-1] if trunk else None)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A boolean 4-D mask (True = may attend) as an additive one in the model's dtype, which every attention
+        implementation reads the same way (eager adds it; SDPA accepts it)."""
+        dtype = self._head().weight.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed.bool(), torch.finfo(dtype).min)
 
     def _check_head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         with torch.no_grad():
@@ -149,6 +164,8 @@ class StewardTrainer(Trainer):
 
     # -- loss -----------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.adapter_scope == "aux":
+            return self._aux_thread_loss(model, inputs, return_outputs)
         labels = inputs["labels"]
         aux = inputs.get("aux_tokens")
         if aux is None:  # a batch from another collator: every labelled token of an is_aux row is a CE target
@@ -169,6 +186,48 @@ class StewardTrainer(Trainer):
 
         self._accumulate(ce.detach(), ab.numel() > 0, kl.detach(), mb.numel() > 0)
         return (loss, {"ce_aux": ce.detach(), "kl_main": kl.detach()}) if return_outputs else loss
+
+    def _aux_thread_loss(self, model, inputs, return_outputs=False):
+        """CE of the aux targets exactly as the server computes them (`serve/session.py`: main threads run the base
+        model, the aux fork runs the adapter). Per row: the main context (tokens before `fork_at`, a packed row's
+        trunk under its tree mask) goes through the base model without grad into a KV cache; the aux thread's tokens
+        (trigger, opener, target; a packed row's branches) run with the adapter on that cache, each seeing what its
+        mask allows. Only those few dozen tokens carry gradients, so a row costs about one no-grad forward of its
+        context. The main thread never runs the adapter, so there is nothing to distil: no KL term (kl_main unset).
+        """
+        ids, labels, thread = inputs["input_ids"], inputs["labels"], inputs["aux_thread"].bool()
+        mask, pos = inputs["attention_mask"], inputs.get("position_ids")
+        peft, head = self._peft(), self._head()
+        total, count = None, 0
+        for i in range(ids.shape[0]):
+            n = int(inputs["lengths"][i])
+            run = thread[i, :n]
+            if not run.any():
+                continue
+            ctx, own = (~run).nonzero()[:, 0], run.nonzero()[:, 0]
+            allowed = mask[i, 0, :n, :n].bool() if mask.dim() == 4 else \
+                torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            p = pos[i, :n] if pos is not None else torch.arange(n, device=ids.device)
+            with torch.no_grad(), peft.disable_adapter():
+                cache = model(input_ids=ids[i, ctx][None], position_ids=p[ctx][None], use_cache=True, logits_to_keep=1,
+                              attention_mask=self._additive(allowed[ctx][:, ctx][None, None])).past_key_values
+            keys = torch.cat([ctx, own])  # the cache holds the context's keys, then the aux tokens' own
+            hidden, _ = self._hidden(model, ids[i, own][None], allowed[own][:, keys][None, None], p[own][None],
+                                     past_key_values=cache)
+            lab = labels[i, own]
+            k = (lab[1:] != IGNORE).nonzero()[:, 0] + 1  # token k is predicted at k − 1, which must be its own
+            if k.numel() and not bool((own[k - 1] == own[k] - 1).all()):
+                raise ValueError(f"row {i}: a labelled aux token follows a main-context token; the aux thread's "
+                                 "first token must be unlabelled (its trigger header)")
+            if k.numel():
+                part = ce_sum(head, hidden[0, k - 1], lab[k], self.tile_rows)
+                total = part if total is None else total + part
+                count += k.numel()
+        if total is None:  # no aux-thread token in the batch: a zero loss that still reaches every trainable weight
+            total = sum(0.0 * w.sum() for w in model.parameters() if w.requires_grad)
+        ce = total / max(count, 1)
+        self._accumulate(ce.detach(), count > 0, ce.new_zeros(()), False)
+        return (ce, {"ce_aux": ce.detach()}) if return_outputs else ce
 
     # -- logging --------------------------------------------------------------------------------------------------
     def _accumulate(self, ce: torch.Tensor, has_ce: bool, kl: torch.Tensor, has_kl: bool) -> None:
