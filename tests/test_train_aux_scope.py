@@ -124,7 +124,7 @@ def test_packed_row_loss_is_the_serving_forks(tmp_path, tok, trace):
     assert torch.allclose(parts["ce_aux"], total / count, rtol=1e-4), (parts["ce_aux"], total / count)
 
 
-def test_aux_scope_trains_only_through_the_aux_thread(tmp_path, tok):
+def test_aux_scope_backpropagates_and_averages_over_target_tokens(tmp_path, tok):
     """Gradients reach the LoRA weights; a batch of two rows of different lengths (padding) equals the mean over
     its rows' own target tokens; a batch without aux-thread tokens gives a zero loss that still backpropagates."""
     model, cfg = _moved_lora(tok, tmp_path)

@@ -61,8 +61,8 @@ class StewardTrainer(Trainer):
 
         The model runs whole (so DeepSpeed's engine and hooks see an ordinary forward) but computes logits for the
         last position only; `output_hidden_states` would instead keep every layer's states alive, which for the
-        no-grad teacher is pure waste. A 4-D boolean mask (packed rows) becomes an additive one in the model's dtype,
-        which every attention implementation reads the same way (eager adds it; SDPA accepts it).
+        no-grad teacher is pure waste. A 4-D boolean mask (packed rows) becomes an additive one (`_additive`).
+        `past_key_values`: a cache the tokens continue (the aux scope's context).
         """
         if attention_mask.dim() == 4:
             attention_mask = self._additive(attention_mask)
@@ -216,13 +216,14 @@ class StewardTrainer(Trainer):
                                      past_key_values=cache)
             lab = labels[i, own]
             k = (lab[1:] != IGNORE).nonzero()[:, 0] + 1  # token k is predicted at k − 1, which must be its own
-            if k.numel() and not bool((own[k - 1] == own[k] - 1).all()):
+            if not k.numel():
+                continue
+            if not bool((own[k - 1] == own[k] - 1).all()):
                 raise ValueError(f"row {i}: a labelled aux token follows a main-context token; the aux thread's "
                                  "first token must be unlabelled (its trigger header)")
-            if k.numel():
-                part = ce_sum(head, hidden[0, k - 1], lab[k], self.tile_rows)
-                total = part if total is None else total + part
-                count += k.numel()
+            part = ce_sum(head, hidden[0, k - 1], lab[k], self.tile_rows)
+            total = part if total is None else total + part
+            count += k.numel()
         if total is None:  # no aux-thread token in the batch: a zero loss that still reaches every trainable weight
             total = sum(0.0 * w.sum() for w in model.parameters() if w.requires_grad)
         ce = total / max(count, 1)
