@@ -17,6 +17,9 @@ from kvsteward.synth.toolcall import cursor_id
 from kvsteward.train.loss import IGNORE
 
 REQUIRED = ("input_ids", "labels", "is_aux")
+# `--adapter-scope` — all: the adapter runs on every token of a row (main rows distilled toward the base model);
+# aux: only on the tokens the serving aux thread computes itself (`aux_thread_tokens`), over the base model's K/V.
+ADAPTER_SCOPES = ("all", "aux")
 
 
 class DataError(ValueError):

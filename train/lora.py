@@ -10,7 +10,15 @@ from pathlib import Path
 
 import torch
 
-from kvsteward.train.data import Collator, check_fork_points, check_vocab, fit_length, load_splits, weigh_delete_rows
+from kvsteward.train.data import (
+    ADAPTER_SCOPES,
+    Collator,
+    check_fork_points,
+    check_vocab,
+    fit_length,
+    load_splits,
+    weigh_delete_rows,
+)
 
 
 class QuantizedModelError(ValueError):
@@ -62,7 +70,7 @@ class LoraRunConfig:
             bad.append(f"lambda_kl must be ≥ 0 (got {self.lambda_kl})")
         if self.deepspeed not in ("none", "zero2", "zero3"):
             bad.append(f"deepspeed must be none, zero2 or zero3 (got {self.deepspeed!r})")
-        if self.adapter_scope not in ("all", "aux"):
+        if self.adapter_scope not in ADAPTER_SCOPES:
             bad.append(f"adapter_scope must be all or aux (got {self.adapter_scope!r})")
         elif self.adapter_scope == "aux" and self.deepspeed == "zero3":
             # ZeRO-3 gathers weights collectively in every forward; the aux scope calls the model twice per aux row,
@@ -199,10 +207,10 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             f"{', trivial left out' if cfg.skip_trivial else ''} → {len(train)} train rows")
     if cfg.adapter_scope == "aux":
         check_fork_points(train)
-        main_rows = [i for i, aux in enumerate(train["is_aux"]) if not aux]
-        if main_rows:  # the served main thread never runs the adapter: nothing to distil, so no use in training
-            train = train.select([i for i, aux in enumerate(train["is_aux"]) if aux])
-            log(f"--adapter-scope aux: {len(main_rows)} main rows left out (the main thread runs the base model)")
+        is_aux = train["is_aux"]
+        if not all(is_aux):  # the served main thread never runs the adapter: nothing to distil, so no use in training
+            train = train.select([i for i, aux in enumerate(is_aux) if aux])
+            log(f"--adapter-scope aux: {is_aux.count(False)} main rows left out (the main thread runs the base model)")
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     model = wrap_lora(base, cfg)

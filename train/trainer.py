@@ -13,11 +13,8 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
+from kvsteward.train.data import ADAPTER_SCOPES
 from kvsteward.train.loss import IGNORE, ce_sum, kl_sum, target_positions
-
-# all: the adapter runs on every token of a row (main rows distilled toward the base model);
-# aux: only on the tokens the serving aux thread computes itself, over the base model's K/V of the main context.
-ADAPTER_SCOPES = ("all", "aux")
 
 
 class HeadMismatchError(RuntimeError):
