@@ -46,6 +46,11 @@ def lora(
     adapter_scope: str = typer.Option("all", help="all: the adapter on every token (main rows distilled); aux: only on "
                                       "the aux thread's tokens over the base model's context, as `steward serve` runs "
                                       "it (no KL term, main rows unused)"),
+    eval_rows: int = typer.Option(0, help="score N held-out aux rows of the 'validation' split during training "
+                                  "(eval_loss = their CE; 0 = no validation)"),
+    eval_steps: int = typer.Option(0, help="validation every N steps (0 = at every checkpoint)"),
+    keep_best: bool = typer.Option(False, "--keep-best", help="deliver the checkpoint with the lowest validation CE "
+                                   "instead of the last state (needs --eval-rows)"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
 ) -> None:
@@ -57,7 +62,8 @@ def lora(
                         lambda_kl=lambda_kl, batch_size=batch_size, grad_accum=grad_accum, max_len=max_len,
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
-                        hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope)
+                        hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,
+                        eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best)
     try:
         cfg.check()
     except ValueError as e:
@@ -72,7 +78,8 @@ def lora(
         return
     payload = {"mlflow_run_id": result.mlflow_run_id, "adapter_dir": result.adapter_dir,
                "final_ce_aux": result.final_ce_aux, "final_kl_main": result.final_kl_main, "steps": result.steps,
-               "seconds_per_step": result.seconds_per_step}
+               "seconds_per_step": result.seconds_per_step, "eval_loss": result.eval_loss,
+               "best_eval_loss": result.best_eval_loss, "best_step": result.best_step}
     if as_json:
         print(json.dumps(payload))
     else:

@@ -17,7 +17,7 @@ from kvsteward.train.toy import random_ids_dataset
 def files(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTEWARD_HOME", str(tmp_path / "home"))
     tiny_model().save_pretrained(tmp_path / "tiny")
-    random_ids_dataset(rows=20).save_to_disk(str(tmp_path / "ds"))
+    random_ids_dataset(rows=30).save_to_disk(str(tmp_path / "ds"))
     return tmp_path
 
 
@@ -51,6 +51,8 @@ def test_missing_dataset_and_bad_options_are_named(files):
     assert res.exit_code == 2 and "hard_weight must be ≥ 1" in res.stderr
     res = _run(files, "--model", str(files / "tiny"), "--skip-trivial")  # random ids: no deletion rows to weigh
     assert res.exit_code == 2 and "need the hindsight columns" in res.stderr
+    res = _run(files, "--model", str(files / "tiny"), "--keep-best")
+    assert res.exit_code == 2 and "keep_best needs validation rows" in res.stderr
 
 
 def test_toy_data_writes_three_splits_of_chat_rows(tmp_path):
@@ -72,10 +74,12 @@ def test_toy_data_writes_three_splits_of_chat_rows(tmp_path):
 def test_adapter_scope_aux_trains_without_main_rows_and_refuses_rows_without_a_fork(files):
     """`--adapter-scope aux`: main rows are left out (no KL term, `final_kl_main` null) and the adapter is written;
     a dataset whose aux rows lack `fork_at` is refused by name."""
-    res = _run(files, "--model", str(files / "tiny"), "--adapter-scope", "aux", "--max-steps", "2")
+    res = _run(files, "--model", str(files / "tiny"), "--adapter-scope", "aux", "--max-steps", "2", "--save-steps", "1",
+               "--eval-rows", "2", "--keep-best")
     assert res.exit_code == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["steps"] == 2 and out["final_kl_main"] is None and out["final_ce_aux"] > 0
+    assert out["best_step"] in (1, 2) and out["eval_loss"] >= out["best_eval_loss"] > 0  # validation, aux scope
     assert "main rows left out" in res.stderr
     assert (files / "run" / "adapter" / "adapter_model.safetensors").exists()
     from datasets import load_from_disk

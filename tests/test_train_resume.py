@@ -97,3 +97,106 @@ def test_top_layers_adapts_only_the_top_decoder_layers(setup, tmp_path):
     assert names and all(f"layers.{n_layers - 1}." in k for k in names)
     with pytest.raises(ValueError, match="decoder layers"):
         train_lora(setup("bad", top_layers=n_layers + 1, mlflow=False))
+
+
+# -- validation during training (`--eval-rows`, `--keep-best`) ---------------------------------------------------------
+
+class Damage(TrainerCallback):
+    """After optimizer step k, overwrite every LoRA B matrix with large noise: a state far worse than any before it,
+    standing for a run that has drifted."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            gen = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for name, w in model.named_parameters():
+                    if "lora_B" in name:
+                        w.copy_(torch.randn(w.shape, generator=gen))
+
+
+def _reference_eval_loss(tmp_path, adapter_dir: str, rows) -> float:
+    """Trainer's eval_loss recomputed without the trainer: the PEFT model's full logits, right-padded batches of 2 in
+    the given order, CE over each batch's labelled tokens, batch means weighted by batch size."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny"), adapter_dir).eval()
+    total, n = 0.0, 0
+    for s in range(0, len(rows), 2):
+        batch = rows.select(range(s, min(s + 2, len(rows))))
+        width = max(len(x) for x in batch["input_ids"])
+        ids = torch.tensor([x + [0] * (width - len(x)) for x in batch["input_ids"]])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for y in batch["labels"]])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch["input_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        total += float(ce) * len(batch)
+        n += len(batch)
+    return total / n
+
+
+def test_validation_loss_is_the_aux_ce_of_held_out_rows_and_is_logged(setup, tmp_path):
+    import mlflow
+
+    from kvsteward.train.data import load_splits, validation_rows
+
+    result = train_lora(setup("val", max_steps=4, eval_rows=6))
+    history = mlflow.MlflowClient().get_metric_history(result.mlflow_run_id, "eval_loss")
+    assert sorted(m.step for m in history) == [2, 4]  # every checkpoint (save_steps 2) is scored
+    assert result.eval_loss == pytest.approx(next(m.value for m in history if m.step == 4))
+    rows = validation_rows(load_splits(tmp_path / "ds"), 6, 4096, "all", seed=3)
+    assert len(rows) and all(rows["is_aux"])  # main rows of the validation split are not scored
+    assert result.eval_loss == pytest.approx(_reference_eval_loss(tmp_path, result.adapter_dir, rows), rel=1e-4)
+    assert result.best_eval_loss == min(m.value for m in history)
+
+
+def test_keep_best_delivers_the_best_scored_checkpoint_not_a_drifted_last_state(setup, tmp_path):
+    best = train_lora(setup("best", eval_rows=6, keep_best=True, callbacks=[Damage(3)], mlflow=False))
+    last = train_lora(setup("last", eval_rows=6, callbacks=[Damage(3)], mlflow=False))
+    assert best.steps == last.steps == 6 and best.best_step == last.best_step == 2
+    assert best.eval_loss > best.best_eval_loss  # the damage shows in the later scores
+    delivered = load_file(f"{best.adapter_dir}/adapter_model.safetensors")
+    ckpt2 = load_file(f"{tmp_path}/best/checkpoints/checkpoint-2/adapter_model.safetensors")
+    final = load_file(f"{last.adapter_dir}/adapter_model.safetensors")
+    assert all(torch.equal(delivered[k], ckpt2[k]) for k in ckpt2)  # checkpoint-2 survived save_total_limit
+    assert not all(torch.equal(final[k], ckpt2[k]) for k in ckpt2)  # without --keep-best: the last state
+
+
+def test_wall_clock_stop_scores_the_last_state(setup, tmp_path, monkeypatch):
+    import json
+
+    from kvsteward.train import callbacks
+
+    clock = iter(range(0, 10_000, 40))  # 40 s per reading: the 2-minute budget ends after step 3
+    monkeypatch.setattr(callbacks, "_now", lambda: next(clock))
+    result = train_lora(setup("budget_val", max_minutes=2.0, eval_rows=6, mlflow=False))
+    assert result.steps == 3
+    state = json.loads((tmp_path / "budget_val" / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+    scored = [h["step"] for h in state["log_history"] if "eval_loss" in h]
+    assert scored == [2, 3]  # step 3 is no multiple of eval_steps (2): scored because the budget stopped there
+
+
+def test_validation_options_are_checked(setup, tmp_path):
+    from datasets import DatasetDict, load_from_disk
+
+    from kvsteward.train.data import DataError
+
+    for kw, msg in [({"keep_best": True}, "keep_best needs validation rows"),
+                    ({"eval_steps": 2}, "eval_steps is set but eval_rows is 0"),
+                    ({"eval_rows": 4, "keep_best": True, "eval_steps": 3}, "multiple of eval_steps"),
+                    ({"eval_rows": -1}, "eval_rows and eval_steps must be ≥ 0")]:
+        with pytest.raises(ValueError, match=msg):
+            train_lora(setup("bad", mlflow=False, **kw))
+    ds = load_from_disk(str(tmp_path / "ds"))
+    DatasetDict({"train": ds["train"]}).save_to_disk(str(tmp_path / "noval"))
+    with pytest.raises(DataError, match="non-empty 'validation' split"):
+        train_lora(setup("bad", data=str(tmp_path / "noval"), eval_rows=4, mlflow=False))
+    main_only = ds["validation"].filter(lambda r: not r["is_aux"])
+    DatasetDict({"train": ds["train"], "validation": main_only}).save_to_disk(str(tmp_path / "mainval"))
+    with pytest.raises(DataError, match="no aux row of at most max_len"):
+        train_lora(setup("bad", data=str(tmp_path / "mainval"), eval_rows=4, mlflow=False))

@@ -51,6 +51,8 @@ class WallClockBudget(TrainerCallback):
         if self.t0 is not None and _now() - self.t0 >= self.seconds:
             control.should_training_stop = True
             control.should_save = True
+            # With validation on, score the last state too, so a best-checkpoint choice can pick it.
+            control.should_evaluate = args.eval_strategy != "no"
 
 
 class RichProgress(TrainerCallback):
@@ -60,6 +62,7 @@ class RichProgress(TrainerCallback):
         self.max_steps = max_steps
         self.progress: Progress | None = None
         self.task = None
+        self.val = ""
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -71,10 +74,14 @@ class RichProgress(TrainerCallback):
         self.task = self.progress.add_task("train", total=self.max_steps, completed=state.global_step, info="")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.progress is None or not logs or "loss" not in logs:
+        if self.progress is None or not logs:
+            return
+        if "eval_loss" in logs:  # a validation log: keep it on the bar until the next one
+            self.val = f" val_ce={logs['eval_loss']:.4f}@{state.global_step}"
+        if "loss" not in logs:
             return
         parts = [f"{k}={logs[k]:.4f}" for k in ("loss", "ce_aux", "kl_main") if k in logs]
-        self.progress.update(self.task, completed=state.global_step, info=" ".join(parts))
+        self.progress.update(self.task, completed=state.global_step, info=" ".join(parts) + self.val)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.progress is not None:

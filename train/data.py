@@ -171,6 +171,26 @@ def check_fork_points(ds: Dataset) -> None:
                         "--adapter-scope all")
 
 
+def validation_rows(splits, n: int, max_len: int, adapter_scope: str, seed: int = 0) -> Dataset:
+    """The held-out rows scored during training (`--eval-rows`): up to `n` aux rows of the `validation` split (whole
+    traces the training split never holds), fitted to `max_len` as the training rows are, in a seeded random order
+    (the split lists rows trace by trace; the first `n` would cover a handful of traces). Aux rows only: the score is
+    the CE of the manager's decisions, not the distillation term."""
+    val = splits["validation"] if "validation" in splits else None
+    if val is None or not len(val):
+        raise DataError("--eval-rows needs a non-empty 'validation' split (`steward synth hindsight` writes one from "
+                        "the traces' validation split)")
+    # Aux rows over max_len are dropped, as `fit_length` drops them from training.
+    fits = [i for i, (ids, aux) in enumerate(zip(val["input_ids"], val["is_aux"], strict=True))
+            if aux and 2 <= len(ids) <= max_len]
+    if not fits:
+        raise DataError(f"the 'validation' split has no aux row of at most max_len={max_len} tokens to score")
+    val = val.select(fits)
+    if adapter_scope == "aux":
+        check_fork_points(val)
+    return val.shuffle(seed=seed).select(range(min(n, len(val))))
+
+
 @dataclass
 class Collator:
     """Right-pads `input_ids` (pad id), `labels` (−100) and `attention_mask` (0); keeps `is_aux` as a bool tensor.

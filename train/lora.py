@@ -17,6 +17,7 @@ from kvsteward.train.data import (
     check_vocab,
     fit_length,
     load_splits,
+    validation_rows,
     weigh_delete_rows,
 )
 
@@ -50,6 +51,9 @@ class LoraRunConfig:
     hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
     skip_trivial: bool = False  # leave out deletion rows whose open cursors are all unread (never decoded)
     adapter_scope: str = "all"  # all | aux: the adapter on every token, or only on the aux thread's (train.trainer)
+    eval_rows: int = 0  # held-out aux rows of the `validation` split scored during training (0 = no validation)
+    eval_steps: int = 0  # score them every N steps (0 = at every checkpoint, `save_steps`)
+    keep_best: bool = False  # deliver the checkpoint with the lowest validation CE instead of the last state
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -68,6 +72,16 @@ class LoraRunConfig:
             bad.append(f"max_minutes must be ≥ 0 (got {self.max_minutes})")
         if self.lambda_kl < 0:
             bad.append(f"lambda_kl must be ≥ 0 (got {self.lambda_kl})")
+        if self.eval_rows < 0 or self.eval_steps < 0:
+            bad.append(f"eval_rows and eval_steps must be ≥ 0 (got {self.eval_rows}, {self.eval_steps})")
+        if self.eval_steps and not self.eval_rows:
+            bad.append("eval_steps is set but eval_rows is 0: give --eval-rows N to score validation rows")
+        if self.keep_best and not self.eval_rows:
+            bad.append("keep_best needs validation rows to choose by: give --eval-rows N")
+        elif self.keep_best and self.eval_steps and self.save_steps % self.eval_steps:
+            # Trainer can only return to a checkpoint it scored: checkpoints must fall on validation steps.
+            bad.append(f"keep_best needs save_steps ({self.save_steps}) to be a multiple of eval_steps "
+                       f"({self.eval_steps})")
         if self.deepspeed not in ("none", "zero2", "zero3"):
             bad.append(f"deepspeed must be none, zero2 or zero3 (got {self.deepspeed!r})")
         if self.adapter_scope not in ADAPTER_SCOPES:
@@ -90,6 +104,9 @@ class LoraRunResult:
     steps: int
     steps_this_process: int
     seconds_per_step: float | None
+    eval_loss: float | None = None  # the last validation CE (None without --eval-rows)
+    best_eval_loss: float | None = None
+    best_step: int | None = None  # the step of the lowest validation CE (the delivered adapter with keep_best)
 
 
 def is_main_process() -> bool:
@@ -169,7 +186,17 @@ def training_args(cfg: LoraRunConfig, ckpt_dir: Path):
         logging_steps=1, save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=3,
         seed=cfg.seed, data_seed=cfg.seed, bf16=cfg.bf16, deepspeed=str(ds) if ds else None,
         remove_unused_columns=False, label_names=["labels"], report_to="none", disable_tqdm=True,
-        dataloader_pin_memory=torch.cuda.is_available(), dataloader_num_workers=0, **extra)
+        dataloader_pin_memory=torch.cuda.is_available(), dataloader_num_workers=0, **_validation_args(cfg), **extra)
+
+
+def _validation_args(cfg: LoraRunConfig) -> dict:
+    """Trainer's own evaluation loop on the validation rows; `metric_for_best_model` makes it track the best
+    checkpoint (and keep it from `save_total_limit`'s deletion) whether or not it is loaded at the end."""
+    if not cfg.eval_rows:
+        return {"eval_strategy": "no"}
+    return {"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
+            "metric_for_best_model": "eval_loss", "greater_is_better": False,
+            "load_best_model_at_end": cfg.keep_best}
 
 
 def _params(cfg: LoraRunConfig, path: str, peft_model, n_train: int, dropped, truncated: int) -> dict:
@@ -211,8 +238,14 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
         if not all(is_aux):  # the served main thread never runs the adapter: nothing to distil, so no use in training
             train = train.select([i for i, aux in enumerate(is_aux) if aux])
             log(f"--adapter-scope aux: {is_aux.count(False)} main rows left out (the main thread runs the base model)")
+    val = validation_rows(splits, cfg.eval_rows, cfg.max_len, cfg.adapter_scope, cfg.seed) if cfg.eval_rows else None
+    if val is not None:
+        log(f"validation: {len(val)} aux rows of the 'validation' split, scored every "
+            f"{cfg.eval_steps or cfg.save_steps} steps{' (the best checkpoint is delivered)' if cfg.keep_best else ''}")
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
+    if val is not None:
+        check_vocab(val, base.config.vocab_size)
     model = wrap_lora(base, cfg)
 
     last = get_last_checkpoint(str(ckpt_dir)) if cfg.resume and ckpt_dir.is_dir() else None
@@ -231,15 +264,18 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
         trk.log_params_once(_params(cfg, path, model, len(train), dropped, truncated))
         if last is None:
             trk.log_dataset(train, name=f"{Path(cfg.data).name}:train", source=str(Path(cfg.data).resolve()))
+            if val is not None:
+                trk.log_dataset(val, name=f"{Path(cfg.data).name}:validation", source=str(Path(cfg.data).resolve()),
+                                context="validation")
         else:
             mlflow.set_tag("resumed_from", Path(last).name)
 
     progress = RichProgress(cfg.max_steps)
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
     callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + budget + list(cfg.callbacks)
-    trainer = StewardTrainer(model=model, args=args, train_dataset=train, data_collator=Collator(_pad_id(tokenizer,
-                             base.config)), lambda_kl=cfg.lambda_kl, tile_rows=cfg.tile_rows, callbacks=callbacks,
-                             adapter_scope=cfg.adapter_scope)
+    trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+                             data_collator=Collator(_pad_id(tokenizer, base.config)), lambda_kl=cfg.lambda_kl,
+                             tile_rows=cfg.tile_rows, callbacks=callbacks, adapter_scope=cfg.adapter_scope)
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout, which carries the CLI's JSON
@@ -263,8 +299,11 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     finally:
         progress.close()
     done = trainer.state.global_step - start_step
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    best = min(evals, key=lambda e: e[1]) if evals else None
     return LoraRunResult(
         mlflow_run_id=run.info.run_id if run else None, adapter_dir=str(adapter_dir),
         final_ce_aux=trainer.last_parts.get("ce_aux"), final_kl_main=trainer.last_parts.get("kl_main"),
         steps=trainer.state.global_step, steps_this_process=done,
-        seconds_per_step=elapsed / done if done else None)
+        seconds_per_step=elapsed / done if done else None, eval_loss=evals[-1][1] if evals else None,
+        best_eval_loss=best[1] if best else None, best_step=best[0] if best else None)

@@ -246,10 +246,11 @@ class StewardTrainer(Trainer):
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # Evaluation: the same joint loss and no logits (they would be batch × time × vocab); the training-log window
-        # is left untouched.
+        # Evaluation (`--eval-rows`): the aux CE alone, so `eval_loss` reads the same in both scopes (the validation
+        # rows are aux rows; a packed row's trunk would add a KL term under scope `all`), and no logits (they would
+        # be batch × time × vocab). The training-log window is left untouched.
         saved = self._window
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
+            _, parts = self.compute_loss(model, inputs, return_outputs=True)
         self._window = saved
-        return loss.detach(), None, None
+        return parts["ce_aux"].detach(), None, None
