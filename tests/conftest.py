@@ -1,4 +1,4 @@
-"""Shared fixtures: a real Valkey (or Redis) server for the tier tests."""
+"""Shared fixtures: a real Valkey (or Redis) server for the tier tests, SmolLM2's tokenizer, a tiny model folder."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def valkey_url(tmp_path_factory):
     yield f"valkey://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """SmolLM2's tokenizer (the embedded model's), loaded once for every test module that tokenizes chat."""
+    from kvsteward.models import load_tokenizer
+
+    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")

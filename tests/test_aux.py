@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvsteward.models import load_tokenizer, tiny_model
+from kvsteward.models import tiny_model
 from kvsteward.serve.aux import _close, run_aux, unread_cursors, valid_tail
 from kvsteward.serve.engine import Engine
 
@@ -60,11 +60,6 @@ def test_forced_opener_is_a_token_prefix_of_every_training_target(tok, target):
     else:
         g = PlanGrammar([3, 5, 9], boundary=12)
         assert g.done(g.feed(g.start(), tail))
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,6 @@ LENGTH, DISTANCES = 6000, [400, 2500, 5000]
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from kvsteward.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
 def sessions(tok):
     return generate_sessions(tok, 2, LENGTH, DISTANCES, seed=3)
 

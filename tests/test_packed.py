@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsteward.models import load_tokenizer, tiny_model
+from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.synth import hindsight as hs
 from kvsteward.synth.generate import generate_traces
@@ -22,11 +22,6 @@ from kvsteward.synth.tokens import PieceTokenizer
 from kvsteward.train.data import Collator, tree_mask
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,6 @@ CFG = TraceConfig(world_size=200, max_hops=4)
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from kvsteward.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
 def traces():
     return generate_traces(10, 21, CFG)
 

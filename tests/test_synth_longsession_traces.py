@@ -32,13 +32,6 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from kvsteward.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
 def sessions(tok):
     return generate_sessions(tok, 2, LENGTH, DISTANCES, seed=5, chunk_tokens=CHUNK)
 

@@ -35,13 +35,6 @@ OPENAI_SESSION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from kvsteward.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 def _split_rendered(text: str) -> list[tuple[str, str]]:
     """Parse a ChatML rendering back into (role, content) pairs."""
     return re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>\n", text, re.S)

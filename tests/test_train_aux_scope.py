@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from kvsteward.models import load_tokenizer, tiny_model
+from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.synth import hindsight as hs
 from kvsteward.synth.chat import message_token_ids
@@ -23,11 +23,6 @@ from kvsteward.train.lora import LoraRunConfig, training_args, wrap_lora
 from kvsteward.train.trainer import StewardTrainer
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")
