@@ -109,6 +109,16 @@ def check_adapter(adapter: str | Path) -> None:
         raise ModelNotFound(f"adapter folder {adapter} has no adapter_config.json (make one with `steward train lora`)")
 
 
+ADAPTER_META = "kvsteward.json"  # beside adapter_config.json: how the manager was trained (trigger layout, scope)
+
+
+def adapter_meta(adapter: str | Path) -> dict:
+    """What `steward train lora` recorded about an adapter: `{"trigger": ..., "adapter_scope": ...}`. An adapter
+    without the file predates it and was trained on the `ids` trigger."""
+    path = Path(adapter).expanduser() / ADAPTER_META
+    return {"trigger": "ids", **(json.loads(path.read_text()) if path.is_file() else {})}
+
+
 def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Load (model, tokenizer) for inference. `model` as accepted by `resolve`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -107,6 +107,8 @@ def hindsight(
     seed: int = typer.Option(0, help="seed of the pre-masking draw"),
     pack: bool = typer.Option(False, help="one packed row per trace (the trace plus every call, with the serving "
                                           "engine's positions and deletion history) instead of main/delete/plan rows"),
+    trigger: str = typer.Option("ids", help="deletion trigger layout: ids (phrase + open cursor ids) or notes (+ the "
+                                "task and each cursor's reader note; see docs/synth.md)"),
     as_json: bool = typer.Option(False, "--json", help="print the card statistics as JSON"),
 ) -> None:
     """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows, or packed rows) with
@@ -117,7 +119,7 @@ def hindsight(
     from kvsteward.synth.trace import read_traces
 
     cfg = dsm.HindsightConfig(every=every, mask_prob=mask_prob, max_tokens=max_tokens, plan=plan, seed=seed,
-                              model=model, pack=pack)
+                              model=model, pack=pack, trigger=trigger)
     try:
         cfg.validate()
         trs = read_traces(traces_dir)

@@ -34,6 +34,7 @@ class PipelineConfig:
     max_hops: int = 6
     every: int = 4
     plan: bool = True
+    trigger: str = "ids"  # `steward synth hindsight --trigger` (the adapter records it; serving follows)
     train_steps: int = 30
     max_len: int = 1024
     rank: int = 8
@@ -71,10 +72,11 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
                                str(cfg.page_words), "--doc-words", str(cfg.doc_words), "--max-hops",
                                str(cfg.max_hops), "--out", str(out), "--json"]),
         # rows are capped at the training length, so every row the annotator keeps is trainable
-        Stage("hindsight", {"every": cfg.every, "max_tokens": cfg.max_len, "plan": cfg.plan, "model": m}, ["traces"],
+        Stage("hindsight", {"every": cfg.every, "max_tokens": cfg.max_len, "plan": cfg.plan, "model": m,
+                            "trigger": cfg.trigger}, ["traces"],
               lambda out, up: ["synth", "hindsight", str(up["traces"]), "--every", str(cfg.every), "--max-tokens",
-                               str(cfg.max_len), "--plan" if cfg.plan else "--no-plan", "--model", m, "--out",
-                               str(out / "ds"), "--json"]),
+                               str(cfg.max_len), "--plan" if cfg.plan else "--no-plan", "--model", m, "--trigger",
+                               cfg.trigger, "--out", str(out / "ds"), "--json"]),
         Stage("train", {"steps": cfg.train_steps, "max_len": cfg.max_len, "rank": cfg.rank, "lr": cfg.lr, "model": m,
                         "batch_size": cfg.batch_size, "top_layers": cfg.top_layers, "minutes": cfg.train_minutes,
                         "adapter_scope": cfg.adapter_scope},

@@ -3,9 +3,10 @@
 At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork the
 main session (a shared fork: it reads the main K/V in place, copying none; the main session is never written), append
 the trigger message (`Memory management mode`, then `Open cursors: ...`: `synth.hindsight.delete_trigger`, the text the
-manager was trained on) and the assistant opener, then greedy-decode `{"del_cursors": [...]}` under
-a constraint that admits only open cursor ids (no repeats) — so the output always parses. The caller applies the
-deletion to the main session as a `drop` at its next turn. The aux tokens never enter the main context.
+manager was trained on, in the layout its adapter records: `Engine.trigger_style`) and the assistant opener, then
+greedy-decode `{"del_cursors": [...]}` under a constraint that admits only open cursor ids (no repeats) — so the output
+always parses. The caller applies the deletion to the main session as a `drop` at its next turn. The aux tokens never
+enter the main context.
 
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors":` prefix; at each step
 only vocabulary tokens made of `0-9 , [ ] }` and space are candidates (a few hundred), each checked against it.
@@ -227,7 +228,8 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     deletable = [c for c in open_cursors if c not in unread]
     if not deletable:
         return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
-    history = messages + [{"role": "user", "content": delete_trigger(open_cursors)}]
+    text = delete_trigger(open_cursors, messages, fork.engine.trigger_style)  # the adapter's training layout
+    history = messages + [{"role": "user", "content": text}]
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield

@@ -13,10 +13,13 @@ from kvsteward.serve.spill import SpillStore, host_store
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, trigger_style: str = "ids"):
         from kvsteward.kernels.rope import rope_spec
+        from kvsteward.synth.hindsight import check_trigger_style
 
         self.model = model.eval()
+        # The deletion trigger the aux thread writes: the layout the adapter was trained on (`adapter_meta`).
+        self.trigger_style = check_trigger_style(trigger_style)
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.tokenizer = tokenizer
         cfg = model.config
@@ -63,11 +66,11 @@ class Engine:
         if adapter is not None:
             models.check_adapter(adapter)
         m, tok = models.load(model, dtype=dtype)
-        if adapter is not None:
-            from peft import PeftModel
+        if adapter is None:
+            return cls(m, tok)
+        from peft import PeftModel
 
-            m = PeftModel.from_pretrained(m, adapter)
-        return cls(m, tok)
+        return cls(PeftModel.from_pretrained(m, adapter), tok, models.adapter_meta(adapter)["trigger"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:

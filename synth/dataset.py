@@ -43,8 +43,10 @@ class HindsightConfig:
     seed: int = 0
     model: str = "smollm2"
     pack: bool = False
+    trigger: str = "ids"  # the deletion trigger's layout (`synth.hindsight.delete_trigger`)
 
     def validate(self) -> None:
+        hs.check_trigger_style(self.trigger)
         if self.every < 1:
             raise ValueError(f"--every must be >= 1, got {self.every}")
         if not 0 <= self.mask_prob <= 1:
@@ -107,7 +109,7 @@ def aux_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[
 
 def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.AuxContext) -> list[dict] | None:
     out = []
-    for kind, trigger, target in hs.calls(trace, ctx, cfg.plan):
+    for kind, trigger, target in hs.calls(trace, ctx, cfg.plan, cfg.trigger):
         msgs = hs.with_trigger(ctx, trigger, target)
         ids, labels, starts = ptok.tokenize(msgs, {len(msgs) - 1})
         if len(ids) > cfg.max_tokens:
@@ -119,7 +121,7 @@ def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.Au
 
 def pack_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[list[dict], int]:
     """([the packed row], 0), or ([], 1) when it is longer than `max_tokens` ([], 0 without any boundary)."""
-    p = packed_row(trace, ptok, cfg.every, cfg.mask_prob, cfg.seed, cfg.plan)
+    p = packed_row(trace, ptok, cfg.every, cfg.mask_prob, cfg.seed, cfg.plan, cfg.trigger)
     if p is None:
         return [], 0
     if len(p["input_ids"]) > cfg.max_tokens:

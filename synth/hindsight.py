@@ -26,12 +26,55 @@ DELETE_TRIGGER = "Memory management mode"
 PLAN_TRIGGER = "Planning mode"
 
 
-def delete_trigger(open_cursors: list[int]) -> str:
-    """The deletion trigger message: SideQuest's phrase, then the open cursor ids (the choices the decoder admits).
-    Listing them next to the answer turns "which ids are open" from a search back through the context into a copy
-    from the line above, which a small model learns in far fewer steps; training and serving must use the same text."""
-    ids = ", ".join(str(c) for c in sorted(open_cursors))
-    return f"{DELETE_TRIGGER}\nOpen cursors: {ids if ids else 'none'}"
+# The deletion trigger's layouts (`delete_trigger`): the dataset records the one its rows use, the adapter the one it
+# was trained on, and the serving fork writes that one.
+TRIGGER_STYLES = ("ids", "notes")
+NOTE_WORDS = 20  # a reader note's length cap: the statement and what follows it ("Now the other side ...") fit
+
+
+def check_trigger_style(style: str) -> str:
+    if style not in TRIGGER_STYLES:
+        raise ValueError(f"trigger style must be one of {', '.join(TRIGGER_STYLES)}, got {style!r}")
+    return style
+
+
+def delete_trigger(open_cursors: list[int], messages: list[dict] | None = None, style: str = "ids") -> str:
+    """The deletion trigger message; training and serving must use the same text.
+
+    `ids`: SideQuest's phrase, then the open cursor ids (the choices the decoder admits). Listing them next to the
+    answer turns "which ids are open" from a search back through the context into a copy from the line above.
+    `notes`: also the task (the first user message) and one line per open cursor with its reader note
+    (`cursor_notes`). What decides a deletion (a recap request in the task, a fact stated from a page, a result that
+    "looks relevant") otherwise sits hundreds of tokens from the id, and the aux thread reads the main context's K/V
+    as the base model wrote them, so linking the two is a multi-hop search; beside the id it is a local pattern.
+    `messages` (needed for `notes`): the context, indexed as the cursor ids are (dropped messages included)."""
+    ids = ", ".join(str(c) for c in sorted(open_cursors)) or "none"
+    if check_trigger_style(style) == "ids":
+        return f"{DELETE_TRIGGER}\nOpen cursors: {ids}"
+    if messages is None:
+        raise ValueError("the notes trigger needs the context's messages")
+    task = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    notes = cursor_notes(messages, open_cursors)
+    return "\n".join([DELETE_TRIGGER, f"Task: {task}", f"Open cursors: {ids}"] +
+                      [f"{c}: {notes[c]}" for c in sorted(open_cursors)])
+
+
+def cursor_notes(messages: list[dict], open_cursors: list[int]) -> dict[int, str]:
+    """Per open cursor, what the agent wrote right after reading it: the text of the first assistant message after
+    it (past any other tool responses of the same turn) before its tool call, the first `NOTE_WORDS` words ("not
+    read yet" where none follows). Whether a response is still needed shows there (a fact stated from it, a result
+    that "looks relevant"), and it is hundreds of tokens from the id in the context; the note puts it beside the id."""
+    out = {}
+    for c in open_cursors:
+        j = c + 1
+        while j < len(messages) and messages[j].get("role") == "tool":
+            j += 1
+        if j == len(messages) or messages[j].get("role") != "assistant":
+            out[c] = "not read yet"
+            continue
+        text = (messages[j].get("content") or "").split("<tool_call>")[0]
+        out[c] = " ".join(text.split()[:NOTE_WORDS]) or "(no note)"
+    return out
 
 
 def unread_cursors(messages: list[dict]) -> list[int]:
@@ -112,16 +155,18 @@ def aux_context(trace: Trace, boundary: int, r: random.Random, mask_prob: float,
     return AuxContext(boundary, msgs, open_cursors, masked)
 
 
-def trigger(kind: str, open_cursors: list[int]) -> str:
+def trigger(kind: str, open_cursors: list[int], messages: list[dict] | None = None, style: str = "ids") -> str:
     """The trigger message of an auxiliary call of `kind` ("delete" | "plan") over `open_cursors`."""
     if kind not in ("delete", "plan"):
         raise ValueError(f"aux call kind must be 'delete' or 'plan', got {kind!r}")
-    return delete_trigger(open_cursors) if kind == "delete" else PLAN_TRIGGER
+    return delete_trigger(open_cursors, messages, style) if kind == "delete" else PLAN_TRIGGER
 
 
-def calls(trace: Trace, ctx: AuxContext, plan: bool) -> list[tuple[str, str, dict]]:
+def calls(trace: Trace, ctx: AuxContext, plan: bool, style: str = "ids") -> list[tuple[str, str, dict]]:
     """(kind, trigger, target) of each auxiliary call at ctx.boundary: the deletion call, and the plan call if asked."""
-    out = [("delete", trigger("delete", ctx.open_cursors), delete_target(ctx.open_cursors, trace, ctx.boundary))]
+    seen = trace.messages[:ctx.boundary]  # indexed as the cursor ids (pre-masked messages included), as served
+    out = [("delete", trigger("delete", ctx.open_cursors, seen, style),
+            delete_target(ctx.open_cursors, trace, ctx.boundary))]
     if plan:
         out.append(("plan", trigger("plan", ctx.open_cursors), plan_target(ctx.open_cursors, trace, ctx.boundary)))
     return out

@@ -29,7 +29,7 @@ COLUMNS = ("position_ids", "segment", "time", "expire")  # the per-token columns
 
 
 def packed_row(trace: Trace, ptok: PieceTokenizer, every: int, mask_prob: float, seed: int,
-               plan: bool) -> dict | None:
+               plan: bool, trigger: str = "ids") -> dict | None:
     """The packed row of `trace` as a dict of the dataset's columns (kind "packed"), or None without any boundary."""
     bounds = hs.boundaries(trace, every)
     if not bounds:
@@ -38,7 +38,7 @@ def packed_row(trace: Trace, ptok: PieceTokenizer, every: int, mask_prob: float,
     msgs = trace.messages
     ids, labels, starts = ptok.tokenize(msgs, {i for i, m in enumerate(msgs) if m.get("role") == "assistant"})
     starts.append(len(ids))
-    branches = {ctx.boundary: _branches(ptok, trace, ctx, plan) for ctx in contexts}
+    branches = {ctx.boundary: _branches(ptok, trace, ctx, plan, trigger) for ctx in contexts}
 
     cols: dict[str, list[int]] = {k: [] for k in ("input_ids", "labels", *COLUMNS)}
     calls: list[dict] = []
@@ -54,9 +54,9 @@ def packed_row(trace: Trace, ptok: PieceTokenizer, every: int, mask_prob: float,
         cols["expire"] += [expire] * len(tok)
 
     for m in range(len(msgs)):
-        for kind, ctx, tok, lab, target in branches.get(m, []):
+        for kind, ctx, tok, lab, target, text in branches.get(m, []):
             calls.append({"boundary": m, "segment": len(calls) + 1, "kind": kind, "open_cursors": ctx.open_cursors,
-                          "masked": ctx.masked, "target": target})
+                          "masked": ctx.masked, "target": target, "trigger": text})
             put(tok, lab, starts[m], len(calls), 2 * m - 1, NEVER)
         d = dropped_at.get(m)
         put(ids[starts[m]:starts[m + 1]], labels[starts[m]:starts[m + 1]], starts[m], 0, 2 * m,
@@ -65,15 +65,15 @@ def packed_row(trace: Trace, ptok: PieceTokenizer, every: int, mask_prob: float,
             "dropped_at": dropped_at, **cols}
 
 
-def _branches(ptok: PieceTokenizer, trace: Trace, ctx: hs.AuxContext, plan: bool) -> list[tuple]:
-    """(kind, context, tokens, labels, target text) of each call at ctx.boundary, tokenized as the serving fork
-    appends them after the context it holds (the trace up to the boundary less the dropped cursors)."""
+def _branches(ptok: PieceTokenizer, trace: Trace, ctx: hs.AuxContext, plan: bool, style: str) -> list[tuple]:
+    """(kind, context, tokens, labels, target text, trigger text) of each call at ctx.boundary, tokenized as the
+    serving fork appends them after the context it holds (the trace up to the boundary less the dropped cursors)."""
     out = []
-    for kind, trigger, target in hs.calls(trace, ctx, plan):
+    for kind, trigger, target in hs.calls(trace, ctx, plan, style):
         msgs = hs.with_trigger(ctx, trigger, target)
         ids, labels, starts = ptok.tokenize(msgs, {len(msgs) - 1})
         at = starts[len(ctx.messages)]
-        out.append((kind, ctx, ids[at:], labels[at:], hs.target_text(target)))
+        out.append((kind, ctx, ids[at:], labels[at:], hs.target_text(target), trigger))
     return out
 
 
@@ -82,5 +82,7 @@ def call_messages(messages: list[dict], call: dict) -> list[dict]:
     target), as a per-boundary row holds it: what `synth.stats` checks against hindsight."""
     gone = set(call["masked"])
     ctx = [m for i, m in enumerate(messages[:call["boundary"]]) if i not in gone]
-    return ctx + [{"role": "user", "content": hs.trigger(call["kind"], call["open_cursors"])},
+    # Rows built before the call recorded its trigger text all used the `ids` layout.
+    text = call.get("trigger") or hs.trigger(call["kind"], call["open_cursors"])
+    return ctx + [{"role": "user", "content": text},
                   {"role": "assistant", "content": call["target"]}]

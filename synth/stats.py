@@ -38,14 +38,25 @@ def _last_use_from_raw(trace_file: Path) -> dict[str, dict[int, int]]:
     return out
 
 
+def _lists_open_cursors(trigger: str, open_: list[int]) -> bool:
+    """The trigger is one of the two layouts over exactly these open cursors: `ids` (the phrase, the id list) or
+    `notes` (the phrase, a task line, the id list, then one note line per open cursor in order)."""
+    listed = f"Open cursors: {', '.join(str(c) for c in open_) or 'none'}"
+    lines = trigger.split("\n")
+    if lines == ["Memory management mode", listed]:
+        return True
+    k = len(lines) - len(open_)  # note lines hold no newline: count them from the end (a task may span lines)
+    return k >= 3 and lines[0] == "Memory management mode" and lines[1].startswith("Task: ") and \
+        lines[k - 1] == listed and all(line.startswith(f"{c}: ") for line, c in zip(lines[k:], open_, strict=True))
+
+
 def delete_row_errors(messages: list[dict], step: int, last: dict[int, int]) -> Counter:
     errs: Counter = Counter()
     open_ = {int(m.group(1)) for msg in messages[:-2] if msg["role"] == "tool"
              for m in [_TAG.match(msg["content"])] if m}
     # the trigger lists exactly the open cursors (spelled out here, not taken from `hindsight.delete_trigger`)
-    listed = ", ".join(str(c) for c in sorted(open_)) or "none"
-    if len(messages) < 2 or messages[-2] != {"role": "user",
-                                             "content": f"Memory management mode\nOpen cursors: {listed}"}:
+    if len(messages) < 2 or messages[-2].get("role") != "user" or \
+            not _lists_open_cursors(messages[-2]["content"], sorted(open_)):
         errs["format"] += 1
         return errs
     try:

@@ -114,9 +114,11 @@ def test_adapter_runs_only_on_the_aux_side(tok):
     assert not torch.allclose(aux.last_logits, main.last_logits)
 
 
-def test_serving_aux_context_is_the_training_row(engine, tok):
+@pytest.mark.parametrize("style", ["ids", "notes"])
+def test_serving_aux_context_is_the_training_row(engine, tok, style, monkeypatch):
     """The tokens the aux fork holds before its first decoded token (context, trigger with the open ids, assistant
-    opener, forced `PREFIX`) are exactly the training row's tokens before the first decision token."""
+    opener, forced `PREFIX`) are exactly the training row's tokens before the first decision token, in both trigger
+    layouts (the server hands the fork the whole message list, pre-masked messages included)."""
     import random
 
     from kvsteward.serve.aux import PREFIX, aux_steps
@@ -128,13 +130,16 @@ def test_serving_aux_context_is_the_training_row(engine, tok):
     trace = next(t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4)
     b = hs.boundaries(trace, 2)[1]
     ctx = hs.aux_context(trace, b, random.Random(0), mask_prob=0.5)
-    row = _aux_at(trace, PieceTokenizer(tok), HindsightConfig(every=2, max_tokens=10**6, plan=False), ctx)[0]
+    assert ctx.masked  # a pre-masked cursor: the notes must be read with the served message indices
+    cfg = HindsightConfig(every=2, max_tokens=10**6, plan=False, trigger=style)
+    row = _aux_at(trace, PieceTokenizer(tok), cfg, ctx)[0]
+    monkeypatch.setattr(engine, "trigger_style", style)
     s = engine.session("full")
     for m, ids in zip(ctx.messages, message_token_ids(tok, ctx.messages), strict=True):
         s.append(ids, kind=m["role"])
     assert row["fork_at"] == s.n_logical  # where the aux thread forks (`--adapter-scope aux` trains from there)
     fork = s.fork(shared=True)
-    steps = aux_steps(fork, tok, ctx.messages, ctx.open_cursors)
+    steps = aux_steps(fork, tok, trace.messages[:b], ctx.open_cursors)
     next(steps), next(steps)  # trigger prefill, then the forced opener
     first = next(i for i, t in enumerate(row["labels"]) if t != -100)
     forced = len(tok.encode(PREFIX, add_special_tokens=False))
@@ -188,3 +193,25 @@ def test_keep_unread_never_deletes_the_response_the_agent_has_not_read(engine, t
     assert run_aux(s, tok, MESSAGES, [2, 4], max_tokens=16, close_bias=-1e4, keep_unread=False).del_cursors == [2, 4]
     only = run_aux(s, tok, MESSAGES, [4], max_tokens=16, close_bias=-1e4)
     assert only.del_cursors == [] and only.tokens == 0 and json.loads(only.text) == {"del_cursors": []}
+
+
+def test_the_engine_serves_the_trigger_layout_its_adapter_was_trained_on(tiny_folder, tmp_path, tok):
+    """`Engine.load(adapter=...)` reads the adapter's record (`kvsteward.json`, written by `steward train lora`):
+    no record means the `ids` layout; `notes` makes the aux fork write the task and the cursor notes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kvsteward.models import ADAPTER_META
+    from kvsteward.serve.aux import aux_steps
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    get_peft_model(base, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "a")
+    assert Engine.load(str(tiny_folder), adapter=str(tmp_path / "a")).trigger_style == "ids"
+    (tmp_path / "a" / ADAPTER_META).write_text('{"trigger": "notes", "adapter_scope": "aux"}')
+    engine = Engine.load(str(tiny_folder), adapter=str(tmp_path / "a"))
+    assert engine.trigger_style == "notes"
+    fork = _main(engine, tok).fork(shared=True)
+    before = len(fork.tokens)
+    next(aux_steps(fork, tok, MESSAGES, [2, 4], keep_unread=False))  # the trigger prefill
+    trigger = tok.decode(fork.tokens[before:])
+    assert "Task: Find the founder of Acme.\nOpen cursors: 2, 4\n2: open(doc 9)\n4: not read yet" in trigger

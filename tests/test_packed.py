@@ -182,3 +182,19 @@ def test_packed_dataset_card_and_stats(tmp_path, tok):
     bad = dataset_stats(tmp_path / "bad", traces=tmp_path / "tr")
     kinds = bad["label_error_kinds"]
     assert kinds["harmful"] >= 1 and kinds["label_tokens"] == kinds["harmful"]
+
+
+def test_packed_branches_carry_the_notes_trigger_the_served_fork_writes(tok, trace):
+    """`--pack --trigger notes`: each call's branch holds the notes trigger of the served context (message indices =
+    cursor ids, dropped messages included), records its text, and the dataset checker accepts it."""
+    from kvsteward.synth.packed import call_messages
+    from kvsteward.synth.stats import delete_row_errors
+
+    r = packed_row(trace, PieceTokenizer(tok), every=1, mask_prob=0.5, seed=3, plan=False, trigger="notes")
+    last = trace.last_use()
+    for call in r["calls"]:
+        want = hs.delete_trigger(call["open_cursors"], trace.messages[:call["boundary"]], "notes")
+        assert call["trigger"] == want and "\nTask: " in want
+        branch = [t for t, s in zip(r["input_ids"], r["segment"], strict=True) if s == call["segment"]]
+        assert want in tok.decode(branch)
+        assert not delete_row_errors(call_messages(trace.messages, call), call["boundary"], last)

@@ -180,3 +180,56 @@ def test_property_deletion_labels_are_decidable_from_the_visible_context(seed, d
         for b in hs.boundaries(t, 1):
             open_c = [c for c in t.cursors() if c < b]
             assert set(hs.expired(t, b)) == set(open_c) - _visibly_needed(t.messages[:b]), (t.task_id, b)
+
+
+def test_notes_trigger_hand_worked():
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Who founded X?"},
+            {"role": "assistant", "content": "Searching.\n<tool_call>\n{}\n</tool_call>"},
+            {"role": "tool", "content": "[cursor 3] search: ..."},
+            {"role": "assistant", "content": "Result 1, X (d1), looks relevant;   opening it.\n<tool_call>{}"},
+            {"role": "tool", "content": "[cursor 5] open(d1): ..."}]
+    assert hs.delete_trigger([5, 3], msgs, "notes") == (
+        "Memory management mode\nTask: Who founded X?\nOpen cursors: 3, 5\n"
+        "3: Result 1, X (d1), looks relevant; opening it.\n5: not read yet")
+    assert hs.delete_trigger([5, 3], msgs) == hs.delete_trigger([5, 3], msgs, "ids") == \
+        "Memory management mode\nOpen cursors: 3, 5"
+    long = msgs[:4] + [{"role": "assistant", "content": " ".join(f"w{i}" for i in range(30))}]
+    assert hs.cursor_notes(long, [3])[3] == " ".join(f"w{i}" for i in range(hs.NOTE_WORDS))
+    parallel = msgs[:4] + [{"role": "tool", "content": "[cursor 4] ..."}, {"role": "assistant", "content": "Both."}]
+    assert hs.cursor_notes(parallel, [3, 4]) == {3: "Both.", 4: "Both."}  # one turn's responses share its reader
+    with pytest.raises(ValueError, match="needs the context's messages"):
+        hs.delete_trigger([3], None, "notes")
+    with pytest.raises(ValueError, match="trigger style must be one of ids, notes"):
+        hs.delete_trigger([3], msgs, "prose")
+
+
+def _needed_by_the_notes_trigger(trigger: str) -> set[int]:
+    """`_visibly_needed`, reading the notes trigger alone: the task line and each open cursor's note line."""
+    lines = trigger.split("\n")
+    task = lines[1]
+    notes = {int(c): n for c, n in (line.split(": ", 1) for line in lines[3:])}
+    read = [c for c, n in notes.items() if n != "not read yet"]
+    keep = set(notes) - set(read)
+    for c in read:
+        if RECAP_REQUEST.strip() in task and notes[c].startswith(_STATEMENTS):
+            keep.add(c)
+        if "Now the other side of the comparison" in notes[c]:
+            keep.add(c)
+    if read and "looks relevant; opening it." in notes[max(read)]:
+        keep.add(max(read))  # the newest read response: the step that opened the result after it wrote that note
+    return keep
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), detour=st.floats(0, 1), recap=st.floats(0, 1), compare=st.floats(0, 1),
+       twins=st.floats(0, 1))
+def test_property_the_notes_trigger_alone_decides_every_label(seed, detour, recap, compare, twins):
+    """With nothing pre-masked, the deletion label of every open cursor follows from the notes trigger's own text:
+    the evidence sits beside each id, and no note is cut before its cue (`NOTE_WORDS`)."""
+    cfg = TraceConfig(world_size=60, detour_rate=detour, recap_rate=recap, compare_rate=compare, twin_rate=twins,
+                      page_words=40, doc_words=80)
+    for t in generate_traces(4, seed, cfg):
+        for b in hs.boundaries(t, 1):
+            open_c = [c for c in t.cursors() if c < b]
+            trigger = hs.delete_trigger(open_c, t.messages[:b], "notes")
+            assert set(hs.expired(t, b)) == set(open_c) - _needed_by_the_notes_trigger(trigger), (t.task_id, b)

@@ -82,6 +82,15 @@ def test_adapter_scope_aux_trains_without_main_rows_and_refuses_rows_without_a_f
     assert out["best_step"] in (1, 2) and out["eval_loss"] >= out["best_eval_loss"] > 0  # validation, aux scope
     assert "main rows left out" in res.stderr
     assert (files / "run" / "adapter" / "adapter_model.safetensors").exists()
+    # the adapter records how it was trained: no dataset card → the `ids` trigger
+    assert json.loads((files / "run" / "adapter" / "kvsteward.json").read_text()) == {"trigger": "ids",
+                                                                                      "adapter_scope": "aux"}
+    (files / "ds" / "card.json").write_text(json.dumps({"config": {"trigger": "notes"}}))
+    res = _run(files, "--model", str(files / "tiny"), "--out", str(files / "run_notes"))
+    assert res.exit_code == 0, res.stderr[-2000:]
+    assert json.loads((files / "run_notes" / "adapter" / "kvsteward.json").read_text()) == {"trigger": "notes",
+                                                                                            "adapter_scope": "all"}
+    (files / "ds" / "card.json").unlink()
     from datasets import load_from_disk
 
     ds = load_from_disk(str(files / "ds"))

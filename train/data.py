@@ -43,6 +43,14 @@ def load_splits(path: str | Path) -> DatasetDict:
     return ds
 
 
+def dataset_trigger(path: str | Path) -> str:
+    """The deletion trigger layout a dataset's rows use, from its card (`steward synth hindsight --trigger`); a
+    dataset without a card or without the entry uses `ids` (toy datasets, and those built before the option)."""
+    card = Path(path).expanduser() / "card.json"
+    config = json.loads(card.read_text()).get("config", {}) if card.is_file() else {}
+    return config.get("trigger", "ids")
+
+
 def check_vocab(ds: Dataset, vocab_size: int) -> None:
     """Token ids must index the model's embedding: a dataset tokenized for another model fails here, not deep in C."""
     top = max((max(ids) for ids in ds["input_ids"] if ids), default=-1)

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from kvsteward.models import ADAPTER_META
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
     Collator,
     check_fork_points,
     check_vocab,
+    dataset_trigger,
     fit_length,
     load_splits,
     validation_rows,
@@ -204,6 +206,7 @@ def _params(cfg: LoraRunConfig, path: str, peft_model, n_train: int, dropped, tr
     trainable = sum(x.numel() for x in peft_model.parameters() if x.requires_grad)
     targets = {m.split(".")[-1] for m in peft_model.peft_config["default"].target_modules}  # full names → kinds
     p.update(model_path=path, train_rows=n_train, dropped_too_long=json.dumps(dict(dropped)),
+             trigger=dataset_trigger(cfg.data),
              truncated_main_rows=truncated,
              target_modules=",".join(sorted(targets)),
              trainable_params=trainable, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -289,6 +292,9 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             (adapter_dir / "training_args.bin").unlink(missing_ok=True)  # a pickle: not part of the deliverable
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(adapter_dir))
+            # How it was trained, for the server: the aux fork must write the trigger layout the rows used.
+            meta = {"trigger": dataset_trigger(cfg.data), "adapter_scope": cfg.adapter_scope}
+            (adapter_dir / ADAPTER_META).write_text(json.dumps(meta) + "\n")
         if tracking:
             trk.log_adapter(adapter_dir, register=cfg.register)
             mlflow.end_run()
