@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from kvsteward.synth.dataset import CARD_JSON
 from kvsteward.synth.hindsight import unread_cursors
 from kvsteward.synth.packed import COLUMNS as PACKED
 from kvsteward.synth.packed import NEVER
@@ -46,7 +47,7 @@ def load_splits(path: str | Path) -> DatasetDict:
 def dataset_trigger(path: str | Path) -> str:
     """The deletion trigger layout a dataset's rows use, from its card (`steward synth hindsight --trigger`); a
     dataset without a card or without the entry uses `ids` (toy datasets, and those built before the option)."""
-    card = Path(path).expanduser() / "card.json"
+    card = Path(path).expanduser() / CARD_JSON
     config = json.loads(card.read_text()).get("config", {}) if card.is_file() else {}
     return config.get("trigger", "ids")
 
