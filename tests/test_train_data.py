@@ -153,3 +153,18 @@ def test_delete_row_difficulty_against_the_traces_provenance():
     assert Counter(delete_row_difficulty(r) for r in weighed)["hard"] == 3 * seen["hard"]
     with pytest.raises(DataError, match="hard_weight"):
         weigh_delete_rows(ds, hard_weight=0)
+
+
+def test_dataset_trigger_from_the_card_else_from_the_rows(tmp_path, tok):
+    """The layout the adapter records: the card's entry, else the first deletion row's trigger, else `ids`."""
+    from kvsteward.synth.dataset import HindsightConfig, build_dataset
+    from kvsteward.synth.generate import generate_traces
+    from kvsteward.train.data import dataset_trigger
+
+    traces = generate_traces(4, seed=2)
+    for style in ("ids", "notes"):
+        dd, _, _ = build_dataset(traces, tok, HindsightConfig(every=2, plan=False, trigger=style))
+        assert dataset_trigger(tmp_path, dd["train"]) == style  # no card in tmp_path: read off the rows
+    (tmp_path / "card.json").write_text(json.dumps({"config": {"trigger": "notes"}}))
+    assert dataset_trigger(tmp_path, dd["train"].select([])) == "notes"
+    assert dataset_trigger(tmp_path / "nowhere", random_ids_dataset(rows=10)["train"]) == "ids"

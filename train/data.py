@@ -44,12 +44,21 @@ def load_splits(path: str | Path) -> DatasetDict:
     return ds
 
 
-def dataset_trigger(path: str | Path) -> str:
-    """The deletion trigger layout a dataset's rows use, from its card (`steward synth hindsight --trigger`); a
-    dataset without a card or without the entry uses `ids` (toy datasets, and those built before the option)."""
+def dataset_trigger(path: str | Path, rows: Dataset | None = None) -> str:
+    """The deletion trigger layout a dataset's rows use: from its card (`steward synth hindsight --trigger`), else
+    read off the first deletion row's trigger message (`rows`: a notes trigger's second line is the task), else `ids`
+    (toy datasets, and those built before the option)."""
     card = Path(path).expanduser() / CARD_JSON
     config = json.loads(card.read_text()).get("config", {}) if card.is_file() else {}
-    return config.get("trigger", "ids")
+    if "trigger" in config:
+        return config["trigger"]
+    if rows is not None and "kind" in rows.column_names and "messages" in rows.column_names:
+        for kind, messages in zip(rows["kind"], rows["messages"], strict=True):
+            msgs = json.loads(messages) if kind == "delete" else []
+            if len(msgs) >= 2:  # (a test dataset of bare token ids keeps no messages)
+                lines = str(msgs[-2].get("content", "")).split("\n")
+                return "notes" if len(lines) > 1 and lines[1].startswith("Task: ") else "ids"
+    return "ids"
 
 
 def check_vocab(ds: Dataset, vocab_size: int) -> None:

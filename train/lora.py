@@ -201,12 +201,12 @@ def _validation_args(cfg: LoraRunConfig) -> dict:
             "load_best_model_at_end": cfg.keep_best}
 
 
-def _params(cfg: LoraRunConfig, path: str, peft_model, n_train: int, dropped, truncated: int) -> dict:
+def _params(cfg: LoraRunConfig, path: str, peft_model, n_train: int, dropped, truncated: int, trigger: str) -> dict:
     p = {k: v for k, v in asdict(cfg).items() if k not in ("callbacks", "out", "mlflow", "register")}
     trainable = sum(x.numel() for x in peft_model.parameters() if x.requires_grad)
     targets = {m.split(".")[-1] for m in peft_model.peft_config["default"].target_modules}  # full names → kinds
     p.update(model_path=path, train_rows=n_train, dropped_too_long=json.dumps(dict(dropped)),
-             trigger=dataset_trigger(cfg.data),
+             trigger=trigger,
              truncated_main_rows=truncated,
              target_modules=",".join(sorted(targets)),
              trainable_params=trainable, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -245,6 +245,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     if val is not None:
         log(f"validation: {len(val)} aux rows of the 'validation' split, scored every "
             f"{cfg.eval_steps or cfg.save_steps} steps{' (the best checkpoint is delivered)' if cfg.keep_best else ''}")
+    trigger = dataset_trigger(cfg.data, train)  # the layout the adapter learns, recorded for the server
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     if val is not None:
@@ -264,7 +265,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
 
         trk.ensure_tracking(cfg.experiment)
         run = trk.start_run(out, resume=last is not None, run_name=out.name)
-        trk.log_params_once(_params(cfg, path, model, len(train), dropped, truncated))
+        trk.log_params_once(_params(cfg, path, model, len(train), dropped, truncated, trigger))
         if last is None:
             trk.log_dataset(train, name=f"{Path(cfg.data).name}:train", source=str(Path(cfg.data).resolve()))
             if val is not None:
@@ -293,7 +294,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(adapter_dir))
             # How it was trained, for the server: the aux fork must write the trigger layout the rows used.
-            meta = {"trigger": dataset_trigger(cfg.data), "adapter_scope": cfg.adapter_scope}
+            meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope}
             (adapter_dir / ADAPTER_META).write_text(json.dumps(meta) + "\n")
         if tracking:
             trk.log_adapter(adapter_dir, register=cfg.register)
