@@ -47,10 +47,13 @@ def lora(
                                       "the aux thread's tokens over the base model's context, as `steward serve` runs "
                                       "it (no KL term, main rows unused)"),
     eval_rows: int = typer.Option(0, help="score N held-out aux rows of the 'validation' split during training "
-                                  "(eval_loss = their CE; 0 = no validation)"),
+                                  "(eval_loss = their CE; eval_f1 / eval_precision / eval_recall = the served "
+                                  "decoder's deletions against their targets; 0 = no validation)"),
     eval_steps: int = typer.Option(0, help="validation every N steps (0 = at every checkpoint)"),
-    keep_best: bool = typer.Option(False, "--keep-best", help="deliver the checkpoint with the lowest validation CE "
-                                   "instead of the last state (needs --eval-rows)"),
+    keep_best: bool = typer.Option(False, "--keep-best", help="deliver the best validation checkpoint (by "
+                                   "--best-metric) instead of the last state (needs --eval-rows)"),
+    best_metric: str = typer.Option("loss", help="what --keep-best chooses by: loss (the lowest validation CE) or f1 "
+                                    "(the highest decision F1 of the served decoder on the validation rows)"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
 ) -> None:
@@ -63,7 +66,7 @@ def lora(
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
                         hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,
-                        eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best)
+                        eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best, best_metric=best_metric)
     try:
         cfg.check()
     except ValueError as e:
@@ -79,7 +82,9 @@ def lora(
     payload = {"mlflow_run_id": result.mlflow_run_id, "adapter_dir": result.adapter_dir,
                "final_ce_aux": result.final_ce_aux, "final_kl_main": result.final_kl_main, "steps": result.steps,
                "seconds_per_step": result.seconds_per_step, "eval_loss": result.eval_loss,
-               "best_eval_loss": result.best_eval_loss, "best_step": result.best_step}
+               "best_eval_loss": result.best_eval_loss, "best_step": result.best_step, "eval_f1": result.eval_f1,
+               "eval_precision": result.eval_precision, "eval_recall": result.eval_recall,
+               "best_eval_f1": result.best_eval_f1}
     if as_json:
         print(json.dumps(payload))
     else:

@@ -135,7 +135,8 @@ class AuxDecision:
 
 def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64,
                             close_bias: float = 0.0) -> AuxDecision:
-    """Greedy decode of the deletion list on `session` (already holding trigger + opener), constrained to open ids."""
+    """Greedy decode of the deletion list on `session` (already holding the trigger and the generation prompt; the
+    opener `PREFIX` is appended here), constrained to `open_ids`."""
     return drive(_constrained_steps(session, tokenizer, open_ids, max_tokens, close_bias))
 
 

@@ -81,6 +81,11 @@ def test_adapter_scope_aux_trains_without_main_rows_and_refuses_rows_without_a_f
     assert out["steps"] == 2 and out["final_kl_main"] is None and out["final_ce_aux"] > 0
     assert out["best_step"] in (1, 2) and out["eval_loss"] >= out["best_eval_loss"] > 0  # validation, aux scope
     assert "main rows left out" in res.stderr
+    # token-id rows carry no messages / cursors: CE only, said on stderr; choosing by F1 is refused by name
+    assert out["eval_f1"] is None and out["best_eval_f1"] is None and "no decision scores" in res.stderr
+    bad = _run(files, "--model", str(files / "tiny"), "--eval-rows", "2", "--best-metric", "f1",
+               "--out", str(files / "run_f1"))
+    assert bad.exit_code == 2 and "--best-metric f1 cannot score" in bad.stderr and "hindsight columns" in bad.stderr
     assert (files / "run" / "adapter" / "adapter_model.safetensors").exists()
     # the adapter records how it was trained: no dataset card → the `ids` trigger
     assert json.loads((files / "run" / "adapter" / "kvsteward.json").read_text()) == {"trigger": "ids",

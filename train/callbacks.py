@@ -77,7 +77,8 @@ class RichProgress(TrainerCallback):
         if self.progress is None or not logs:
             return
         if "eval_loss" in logs:  # a validation log: keep it on the bar until the next one
-            self.val = f" val_ce={logs['eval_loss']:.4f}@{state.global_step}"
+            f1 = f" val_f1={logs['eval_f1']:.2f}" if "eval_f1" in logs else ""
+            self.val = f" val_ce={logs['eval_loss']:.4f}{f1}@{state.global_step}"
         if "loss" not in logs:
             return
         parts = [f"{k}={logs[k]:.4f}" for k in ("loss", "ce_aux", "kl_main") if k in logs]

@@ -105,6 +105,14 @@ def fit_length(ds: Dataset, max_len: int) -> tuple[Dataset, Counter, int]:
     return kept, dropped, len(long_main & kept_ids)
 
 
+def row_unread_cursors(row: dict) -> set[int]:
+    """The open cursors of a `delete` row that the agent has not read yet (the tool messages at the end of its
+    context): what the serving decoder never lists (`keep_unread`)."""
+    context = json.loads(row["messages"])[:-2]  # without the trigger and the target
+    # pre-masking removed messages, so a context position is not a cursor id: read the id from the `[cursor N]` tag
+    return {cursor_id(context[i].get("content", "")) for i in unread_cursors(context)}
+
+
 def delete_row_difficulty(row: dict) -> str:
     """How a `delete` row's target relates to the rule "delete every open cursor already read":
 
@@ -117,9 +125,7 @@ def delete_row_difficulty(row: dict) -> str:
     """
     if row.get("kind") != "delete":
         return ""
-    context = json.loads(row["messages"])[:-2]  # without the trigger and the target
-    # pre-masking removed messages, so a context position is not a cursor id: read the id from the `[cursor N]` tag
-    unread = {cursor_id(context[i].get("content", "")) for i in unread_cursors(context)}
+    unread = row_unread_cursors(row)
     read = sorted(c for c in row["open_cursors"] if c not in unread)
     if not read:
         return "trivial"

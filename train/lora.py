@@ -14,6 +14,7 @@ from kvsteward.models import ADAPTER_META
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
     Collator,
+    DataError,
     check_fork_points,
     check_vocab,
     dataset_trigger,
@@ -22,6 +23,8 @@ from kvsteward.train.data import (
     validation_rows,
     weigh_delete_rows,
 )
+
+BEST_METRICS = ("loss", "f1")  # `--best-metric`: what `--keep-best` chooses the delivered checkpoint by
 
 
 class QuantizedModelError(ValueError):
@@ -55,7 +58,8 @@ class LoraRunConfig:
     adapter_scope: str = "all"  # all | aux: the adapter on every token, or only on the aux thread's (train.trainer)
     eval_rows: int = 0  # held-out aux rows of the `validation` split scored during training (0 = no validation)
     eval_steps: int = 0  # score them every N steps (0 = at every checkpoint, `save_steps`)
-    keep_best: bool = False  # deliver the checkpoint with the lowest validation CE instead of the last state
+    keep_best: bool = False  # deliver the best validation checkpoint (by `best_metric`) instead of the last state
+    best_metric: str = "loss"  # loss: the lowest validation CE; f1: the highest decision F1 (`train.decisions`)
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -84,6 +88,14 @@ class LoraRunConfig:
             # Trainer can only return to a checkpoint it scored: checkpoints must fall on validation steps.
             bad.append(f"keep_best needs save_steps ({self.save_steps}) to be a multiple of eval_steps "
                        f"({self.eval_steps})")
+        if self.best_metric not in BEST_METRICS:
+            bad.append(f"best_metric must be one of {BEST_METRICS} (got {self.best_metric!r})")
+        elif self.best_metric == "f1" and not self.eval_rows:
+            bad.append("best_metric f1 scores validation rows: give --eval-rows N")
+        elif self.best_metric == "f1" and self.deepspeed != "none":
+            # The decision score runs the engine on one process's whole model; ZeRO shards it across ranks.
+            bad.append("best_metric f1 runs the served decoder on the whole model: not under DeepSpeed "
+                       "(use --best-metric loss)")
         if self.deepspeed not in ("none", "zero2", "zero3"):
             bad.append(f"deepspeed must be none, zero2 or zero3 (got {self.deepspeed!r})")
         if self.adapter_scope not in ADAPTER_SCOPES:
@@ -107,8 +119,12 @@ class LoraRunResult:
     steps_this_process: int
     seconds_per_step: float | None
     eval_loss: float | None = None  # the last validation CE (None without --eval-rows)
-    best_eval_loss: float | None = None
-    best_step: int | None = None  # the step of the lowest validation CE (the delivered adapter with keep_best)
+    best_eval_loss: float | None = None  # the lowest validation CE
+    best_step: int | None = None  # the best validation step by `best_metric` (the delivered adapter with keep_best)
+    eval_f1: float | None = None  # the last decision F1 / precision / recall on the validation rows (`decisions`)
+    eval_precision: float | None = None
+    eval_recall: float | None = None
+    best_eval_f1: float | None = None
 
 
 def is_main_process() -> bool:
@@ -197,7 +213,7 @@ def _validation_args(cfg: LoraRunConfig) -> dict:
     if not cfg.eval_rows:
         return {"eval_strategy": "no"}
     return {"eval_strategy": "steps", "eval_steps": cfg.eval_steps or cfg.save_steps,
-            "metric_for_best_model": "eval_loss", "greater_is_better": False,
+            "metric_for_best_model": f"eval_{cfg.best_metric}", "greater_is_better": cfg.best_metric == "f1",
             "load_best_model_at_end": cfg.keep_best}
 
 
@@ -244,12 +260,14 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     val = validation_rows(splits, cfg.eval_rows, cfg.max_len, cfg.adapter_scope, cfg.seed) if cfg.eval_rows else None
     if val is not None:
         log(f"validation: {len(val)} aux rows of the 'validation' split, scored every "
-            f"{cfg.eval_steps or cfg.save_steps} steps{' (the best checkpoint is delivered)' if cfg.keep_best else ''}")
+            f"{cfg.eval_steps or cfg.save_steps} steps"
+            f"{f' (the best checkpoint by {cfg.best_metric} is delivered)' if cfg.keep_best else ''}")
     trigger = dataset_trigger(cfg.data, train)  # the layout the adapter learns, recorded for the server
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     if val is not None:
         check_vocab(val, base.config.vocab_size)
+    decisions = _decision_rows(val, tokenizer, cfg, log) if val is not None else None
     model = wrap_lora(base, cfg)
 
     last = get_last_checkpoint(str(ckpt_dir)) if cfg.resume and ckpt_dir.is_dir() else None
@@ -279,7 +297,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + budget + list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                              data_collator=Collator(_pad_id(tokenizer, base.config)), lambda_kl=cfg.lambda_kl,
-                             tile_rows=cfg.tile_rows, callbacks=callbacks, adapter_scope=cfg.adapter_scope)
+                             tile_rows=cfg.tile_rows, callbacks=callbacks, adapter_scope=cfg.adapter_scope,
+                             decision_rows=decisions, decision_tokenizer=tokenizer if decisions else None)
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout, which carries the CLI's JSON
@@ -306,11 +325,41 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     finally:
         progress.close()
     done = trainer.state.global_step - start_step
-    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
-    best = min(evals, key=lambda e: e[1]) if evals else None
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    last_eval = evals[-1] if evals else {}
+    # min / max keep the first of equal scores, as Trainer's own best-checkpoint choice does (strict improvement)
+    best_ce = min(evals, key=lambda h: h["eval_loss"]) if evals else None
+    best_f1 = max(evals, key=lambda h: h["eval_f1"]) if evals and "eval_f1" in evals[0] else None
+    best = best_f1 if cfg.best_metric == "f1" else best_ce
     return LoraRunResult(
         mlflow_run_id=run.info.run_id if run else None, adapter_dir=str(adapter_dir),
         final_ce_aux=trainer.last_parts.get("ce_aux"), final_kl_main=trainer.last_parts.get("kl_main"),
         steps=trainer.state.global_step, steps_this_process=done,
-        seconds_per_step=elapsed / done if done else None, eval_loss=evals[-1][1] if evals else None,
-        best_eval_loss=best[1] if best else None, best_step=best[0] if best else None)
+        seconds_per_step=elapsed / done if done else None, eval_loss=last_eval.get("eval_loss"),
+        best_eval_loss=best_ce["eval_loss"] if best_ce else None, best_step=best["step"] if best else None,
+        eval_f1=last_eval.get("eval_f1"), eval_precision=last_eval.get("eval_precision"),
+        eval_recall=last_eval.get("eval_recall"), best_eval_f1=best_f1["eval_f1"] if best_f1 else None)
+
+
+def _decision_rows(val, tokenizer, cfg: LoraRunConfig, log) -> list | None:
+    """The validation rows as served-decoder inputs (`train.decisions`), or None where they cannot be scored that
+    way (DeepSpeed, packed rows, no tokenizer, no deletion row), which `--best-metric f1` refuses."""
+    from kvsteward.train.decisions import NEEDS, decision_rows
+
+    why = None
+    if missing := [c for c in NEEDS if c not in val.column_names]:
+        why = f"the rows lack the hindsight columns {missing}"
+    elif cfg.deepspeed != "none":
+        why = "the served decoder runs the whole model on one process"
+    elif tokenizer is None:
+        why = "the model folder has no tokenizer"
+    elif "segment" in val.column_names and any(val["segment"]):
+        why = "packed rows hold many calls each (score them with `steward eval manager`)"
+    rows = decision_rows(val, tokenizer) if why is None else None
+    if rows is not None and not rows:
+        why, rows = "the validation rows hold no deletion row", None
+    if why is not None:
+        if cfg.best_metric == "f1":
+            raise DataError(f"--best-metric f1 cannot score these validation rows: {why}")
+        log(f"validation: CE only, no decision scores ({why})")
+    return rows

@@ -26,8 +26,14 @@ class StewardTrainer(Trainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, lambda_kl: float = 1.0, tile_rows: int = 1024, kl_temperature: float = 1.0,
-                 share_trunk: bool = True, adapter_scope: str = "all", **kwargs):
+                 share_trunk: bool = True, adapter_scope: str = "all", decision_rows: list | None = None,
+                 decision_tokenizer=None, **kwargs):
         super().__init__(*args, **kwargs)
+        if decision_rows is not None and decision_tokenizer is None:
+            raise ValueError("decision_rows need the tokenizer the served decoder reads its candidates from")
+        # `train.decisions`: the served decoder on validation rows, scored beside eval_loss at every evaluation.
+        self.decision_rows = decision_rows
+        self.decision_tokenizer = decision_tokenizer
         if lambda_kl < 0:
             raise ValueError(f"lambda_kl must be ≥ 0, got {lambda_kl}")
         if adapter_scope not in ADAPTER_SCOPES:
@@ -244,6 +250,20 @@ class StewardTrainer(Trainer):
             if kl_n:
                 logs["kl_main"] = self.last_parts["kl_main"] = kl_s / kl_n
         super().log(logs, start_time)
+
+    def evaluation_loop(self, dataloader, *args, metric_key_prefix: str = "eval", **kwargs):
+        out = super().evaluation_loop(dataloader, *args, metric_key_prefix=metric_key_prefix, **kwargs)
+        if self.decision_rows is not None:
+            out.metrics.update({f"{metric_key_prefix}_{k}": v for k, v in self._score_decisions().items()})
+        return out
+
+    def _score_decisions(self) -> dict[str, float]:
+        from kvsteward.serve.engine import Engine
+        from kvsteward.train.decisions import score
+
+        model = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():  # Engine() puts the model in eval mode; `training_step` puts it back in train mode
+            return score(Engine(model, self.decision_tokenizer), self.decision_rows)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Evaluation (`--eval-rows`): the aux CE alone, so `eval_loss` reads the same in both scopes (the validation
