@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvsteward.models import tiny_model
+from kvsteward.models import adapter_meta, tiny_model
 from kvsteward.serve.aux import run_aux
 from kvsteward.serve.engine import Engine
 from kvsteward.synth.chat import message_token_ids
@@ -88,7 +88,7 @@ def test_rows_the_decoder_cannot_replay_are_refused(tok, traces):
 def test_best_metric_f1_scores_every_checkpoint_and_delivers_the_best(tiny_folder, tok, traces, tmp_path, monkeypatch):
     """`--eval-rows --best-metric f1 --keep-best`: each logged eval_f1 is the decision score recomputed from that
     checkpoint's saved adapter, best_step is the first step of the highest F1, and the delivered adapter is that
-    checkpoint's."""
+    checkpoint's. Every checkpoint carries the adapter's `kvsteward.json`."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +108,8 @@ def test_best_metric_f1_scores_every_checkpoint_and_delivers_the_best(tiny_folde
         base = AutoModelForCausalLM.from_pretrained(str(tiny_folder))
         engine = Engine(PeftModel.from_pretrained(base, str(ckpts / f"checkpoint-{step}")), tok)
         logged[step] = score(engine, rows)["f1"]
+        # every checkpoint is a servable adapter folder: it records the trigger layout it was trained on
+        assert adapter_meta(ckpts / f"checkpoint-{step}") == {"trigger": "notes", "adapter_scope": "aux"}
     assert len(set(logged.values())) > 1  # the choice is a real one (on this seed: F1 0, 0.5, 0.5)
     assert res.eval_f1 == pytest.approx(logged[3])
     assert res.best_eval_f1 == pytest.approx(max(logged.values()))

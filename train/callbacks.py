@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -31,6 +32,26 @@ class MlflowMetrics(TrainerCallback):
 
 def _now() -> float:
     return time.monotonic()
+
+
+class AdapterMetaInCheckpoints(TrainerCallback):
+    """Write the adapter's `kvsteward.json` (trigger layout, scope) into every checkpoint folder: a checkpoint is an
+    adapter folder too (`steward serve --adapter DIR/checkpoints/checkpoint-N`), and without the file the server would
+    write the `ids` trigger for an adapter trained on `notes`."""
+
+    def __init__(self, meta: dict):
+        self.meta = meta
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from pathlib import Path
+
+        from kvsteward.models import ADAPTER_META
+
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            (folder / ADAPTER_META).write_text(json.dumps(self.meta) + "\n")
 
 
 class WallClockBudget(TrainerCallback):

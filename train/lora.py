@@ -234,7 +234,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
-    from kvsteward.train.callbacks import MlflowMetrics, RichProgress, WallClockBudget
+    from kvsteward.train.callbacks import AdapterMetaInCheckpoints, MlflowMetrics, RichProgress, WallClockBudget
     from kvsteward.train.trainer import StewardTrainer
 
     cfg.check()
@@ -294,7 +294,9 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
 
     progress = RichProgress(cfg.max_steps)
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
-    callbacks = [progress] + ([MlflowMetrics()] if tracking else []) + budget + list(cfg.callbacks)
+    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope}  # how it was trained, for the server
+    callbacks = [progress, AdapterMetaInCheckpoints(meta)] + ([MlflowMetrics()] if tracking else []) + budget + \
+        list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                              data_collator=Collator(_pad_id(tokenizer, base.config)), lambda_kl=cfg.lambda_kl,
                              tile_rows=cfg.tile_rows, callbacks=callbacks, adapter_scope=cfg.adapter_scope,
@@ -313,7 +315,6 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(adapter_dir))
             # How it was trained, for the server: the aux fork must write the trigger layout the rows used.
-            meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope}
             (adapter_dir / ADAPTER_META).write_text(json.dumps(meta) + "\n")
         if tracking:
             trk.log_adapter(adapter_dir, register=cfg.register)
