@@ -330,7 +330,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     last_eval = evals[-1] if evals else {}
     # min / max keep the first of equal scores, as Trainer's own best-checkpoint choice does (strict improvement)
     best_ce = min(evals, key=lambda h: h["eval_loss"]) if evals else None
-    best_f1 = max(evals, key=lambda h: h["eval_f1"]) if evals and "eval_f1" in evals[0] else None
+    scored = [h for h in evals if "eval_f1" in h]
+    best_f1 = max(scored, key=lambda h: h["eval_f1"]) if scored else None
     best = best_f1 if cfg.best_metric == "f1" else best_ce
     return LoraRunResult(
         mlflow_run_id=run.info.run_id if run else None, adapter_dir=str(adapter_dir),
