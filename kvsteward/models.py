@@ -119,6 +119,11 @@ def adapter_meta(adapter: str | Path) -> dict:
     return {"trigger": "ids", **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
+def write_adapter_meta(adapter: str | Path, meta: dict) -> None:
+    """Record how an adapter (or a checkpoint of one) was trained: what `adapter_meta` reads back."""
+    (Path(adapter).expanduser() / ADAPTER_META).write_text(json.dumps(meta) + "\n")
+
+
 def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Load (model, tokenizer) for inference. `model` as accepted by `resolve`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

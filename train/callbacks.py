@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
@@ -47,11 +46,11 @@ class AdapterMetaInCheckpoints(TrainerCallback):
             return
         from pathlib import Path
 
-        from kvsteward.models import ADAPTER_META
+        from kvsteward.models import write_adapter_meta
 
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
-            (folder / ADAPTER_META).write_text(json.dumps(self.meta) + "\n")
+            write_adapter_meta(folder, self.meta)
 
 
 class WallClockBudget(TrainerCallback):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvsteward.models import ADAPTER_META
+from kvsteward.models import write_adapter_meta
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
     Collator,
@@ -315,7 +315,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(adapter_dir))
             # How it was trained, for the server: the aux fork must write the trigger layout the rows used.
-            (adapter_dir / ADAPTER_META).write_text(json.dumps(meta) + "\n")
+            write_adapter_meta(adapter_dir, meta)
         if tracking:
             trk.log_adapter(adapter_dir, register=cfg.register)
             mlflow.end_run()
