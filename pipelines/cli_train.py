@@ -46,6 +46,9 @@ def lora(
     adapter_scope: str = typer.Option("all", help="all: the adapter on every token (main rows distilled); aux: only on "
                                       "the aux thread's tokens over the base model's context, as `steward serve` runs "
                                       "it (no KL term, main rows unused)"),
+    aux_context: str = typer.Option("full", help="with --adapter-scope aux: full (an aux row's whole context, as "
+                                    "served) or task (the context cut to the task message: cheaper rows; the "
+                                    "decision must be in the trigger, as with `--trigger notes`)"),
     eval_rows: int = typer.Option(0, help="score N held-out aux rows of the 'validation' split during training "
                                   "(eval_loss = their CE; eval_f1 / eval_precision / eval_recall = the served "
                                   "decoder's deletions against their targets; 0 = no validation)"),
@@ -66,7 +69,8 @@ def lora(
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
                         hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,
-                        eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best, best_metric=best_metric)
+                        aux_context=aux_context, eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best,
+                        best_metric=best_metric)
     try:
         cfg.check()
     except ValueError as e:

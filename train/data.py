@@ -21,6 +21,9 @@ REQUIRED = ("input_ids", "labels", "is_aux")
 # `--adapter-scope` — all: the adapter runs on every token of a row (main rows distilled toward the base model);
 # aux: only on the tokens the serving aux thread computes itself (`aux_thread_tokens`), over the base model's K/V.
 ADAPTER_SCOPES = ("all", "aux")
+# `--aux-context` — full: an aux row's context is everything before its fork (what the served fork reads); task: only
+# the first message (`task_context_rows`), a cheaper row whose decision the notes trigger's text alone carries.
+AUX_CONTEXTS = ("full", "task")
 
 
 class DataError(ValueError):
@@ -193,6 +196,47 @@ def check_fork_points(ds: Dataset) -> None:
         raise DataError(f"{bad} aux rows have no fork point (column `fork_at` {'is 0' if has_fork else 'missing'}): "
                         "rebuild the dataset with this version of `steward synth hindsight`, or train with "
                         "--adapter-scope all")
+
+
+def task_context_rows(ds: Dataset, tokenizer) -> Dataset:
+    """`--aux-context task`: every aux row's context cut to the conversation's first message (the task, with what
+    the chat template puts before it); the trigger, opener and target follow it unchanged, `fork_at` moves to the
+    cut, positions renumber (as after pre-masking). Main rows are kept as they are.
+
+    Why: under `--adapter-scope aux` a row's cost is one no-grad forward of its context (~630 tokens on average for
+    the notes rows) plus the aux thread's ~100 tokens with gradients, and with the notes trigger every label follows
+    from the trigger's text alone (`test_property_the_notes_trigger_alone_decides_every_label`). A row cut to the
+    task costs a fraction of that, and rows of any context length fit `--max-len`. What the row no longer shows the
+    adapter is the served fork's own context: the server still runs it on the full one (a train/serve difference,
+    measured in docs/training.md). Packed rows are refused: their branches are defined by the trunk they sit on.
+    """
+    for col in ("messages", "fork_at"):
+        if col not in ds.column_names:
+            raise DataError(f"--aux-context task needs the hindsight column {col!r}; the dataset has "
+                            f"{ds.column_names}")
+    if "segment" in ds.column_names and any(ds["segment"]):
+        raise DataError("--aux-context task cuts per-boundary rows; this dataset holds packed rows (`--pack`)")
+    from kvsteward.synth.chat import message_token_ids
+
+    def cut(row: dict, i: int) -> dict:
+        f = int(row["fork_at"] or 0)
+        if not row["is_aux"]:
+            return row
+        if f <= 0:
+            raise DataError(f"aux row {i} has no fork point (`fork_at`): rebuild it with `steward synth hindsight`")
+        first = message_token_ids(tokenizer, json.loads(row["messages"])[:1])[0]
+        n = len(first)
+        if not 0 < n <= f or list(row["input_ids"][:n]) != first:
+            raise DataError(f"aux row {i}: its first {n} tokens are not its first message as this tokenizer writes "
+                            "it: was the dataset tokenized for another model?")
+        for k in ("input_ids", "labels"):
+            row[k] = row[k][:n] + row[k][f:]
+        row["fork_at"] = n
+        if "n_tokens" in row:
+            row["n_tokens"] = len(row["input_ids"])
+        return row
+
+    return ds.map(cut, with_indices=True, desc="aux context → task")
 
 
 def validation_rows(splits, n: int, max_len: int, adapter_scope: str, seed: int = 0) -> Dataset:

@@ -13,6 +13,7 @@ import torch
 from kvsteward.models import write_adapter_meta
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
+    AUX_CONTEXTS,
     Collator,
     DataError,
     check_fork_points,
@@ -20,6 +21,7 @@ from kvsteward.train.data import (
     dataset_trigger,
     fit_length,
     load_splits,
+    task_context_rows,
     validation_rows,
     weigh_delete_rows,
 )
@@ -56,6 +58,7 @@ class LoraRunConfig:
     hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
     skip_trivial: bool = False  # leave out deletion rows whose open cursors are all unread (never decoded)
     adapter_scope: str = "all"  # all | aux: the adapter on every token, or only on the aux thread's (train.trainer)
+    aux_context: str = "full"  # full | task: an aux row's context as served, or only the task (task_context_rows)
     eval_rows: int = 0  # held-out aux rows of the `validation` split scored during training (0 = no validation)
     eval_steps: int = 0  # score them every N steps (0 = at every checkpoint, `save_steps`)
     keep_best: bool = False  # deliver the best validation checkpoint (by `best_metric`) instead of the last state
@@ -105,6 +108,11 @@ class LoraRunConfig:
             # so ranks holding different numbers of aux rows would deadlock.
             bad.append("adapter_scope aux does not run under ZeRO-3 (ranks would call the model different numbers "
                        "of times); use zero2 or none")
+        if self.aux_context not in AUX_CONTEXTS:
+            bad.append(f"aux_context must be one of {AUX_CONTEXTS} (got {self.aux_context!r})")
+        elif self.aux_context == "task" and self.adapter_scope != "aux":
+            # Under scope all the adapter also runs on the context, whose cut would then change what it learns there.
+            bad.append("aux_context task cuts the context the aux thread reads: it needs --adapter-scope aux")
         if bad:
             raise ValueError("; ".join(bad))
 
@@ -244,7 +252,14 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     args = training_args(cfg, ckpt_dir)  # before the model: under ZeRO-3 it makes from_pretrained partition weights
 
     splits = load_splits(cfg.data)
-    train, dropped, truncated = fit_length(splits["train"], cfg.max_len)
+    train = splits["train"]
+    if cfg.aux_context == "task":  # before fit_length: a row cut to its task fits where its full context did not
+        from kvsteward.models import load_tokenizer
+
+        train = task_context_rows(train, load_tokenizer(cfg.model))
+        log("--aux-context task: aux rows cut to the task message before the trigger (validation keeps the full "
+            "context, as served)")
+    train, dropped, truncated = fit_length(train, cfg.max_len)
     if dropped or truncated:
         log(f"max_len={cfg.max_len}: dropped {dict(dropped) or 'none'}, left-truncated {truncated} main rows")
     train, difficulty = weigh_delete_rows(train, cfg.hard_weight, cfg.skip_trivial)
