@@ -203,12 +203,14 @@ def task_context_rows(ds: Dataset, tokenizer) -> Dataset:
     the chat template puts before it); the trigger, opener and target follow it unchanged, `fork_at` moves to the
     cut, positions renumber (as after pre-masking). Main rows are kept as they are.
 
-    Why: under `--adapter-scope aux` a row's cost is one no-grad forward of its context (~630 tokens on average for
-    the notes rows) plus the aux thread's ~100 tokens with gradients, and with the notes trigger every label follows
-    from the trigger's text alone (`test_property_the_notes_trigger_alone_decides_every_label`). A row cut to the
-    task costs a fraction of that, and rows of any context length fit `--max-len`. What the row no longer shows the
-    adapter is the served fork's own context: the server still runs it on the full one (a train/serve difference,
-    measured in docs/training.md). Packed rows are refused: their branches are defined by the trunk they sit on.
+    Why: with the notes trigger every label follows from the trigger's text alone
+    (`test_property_the_notes_trigger_alone_decides_every_label`), and under `--adapter-scope aux` the context is
+    only a no-grad forward the aux thread attends to. Cut to the task, a row's length no longer grows with the
+    session, so the late boundaries (many open cursors, the recap's fact pages) fit `--max-len` instead of being
+    dropped. The cut saves less time than its length suggests: on CPU the aux thread's own tokens, with gradients
+    through every adapted layer, cost most of a step. What the row no longer shows the adapter is the served fork's
+    own context: the server still runs it on the full one (a train/serve difference, measured in
+    docs/training.md). Packed rows are refused: their branches are defined by the trunk they sit on.
     """
     for col in ("messages", "fork_at"):
         if col not in ds.column_names:
