@@ -47,8 +47,8 @@ def lora(
                                       "the aux thread's tokens over the base model's context, as `steward serve` runs "
                                       "it (no KL term, main rows unused)"),
     aux_context: str = typer.Option("full", help="with --adapter-scope aux: full (an aux row's whole context, as "
-                                    "served) or task (the context cut to the task message: cheaper rows; the "
-                                    "decision must be in the trigger, as with `--trigger notes`)"),
+                                    "served) or first (the context cut to the conversation's first message: "
+                                    "shorter rows; the decision must be in the trigger, as with `--trigger notes`)"),
     eval_rows: int = typer.Option(0, help="score N held-out aux rows of the 'validation' split during training "
                                   "(eval_loss = their CE; eval_f1 / eval_precision / eval_recall = the served "
                                   "decoder's deletions against their targets; 0 = no validation)"),

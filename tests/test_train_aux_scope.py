@@ -18,7 +18,7 @@ from kvsteward.synth.dataset import HindsightConfig, _aux_at
 from kvsteward.synth.generate import generate_traces
 from kvsteward.synth.packed import packed_row
 from kvsteward.synth.tokens import PieceTokenizer
-from kvsteward.train.data import Collator, DataError, check_fork_points, task_context_rows
+from kvsteward.train.data import Collator, DataError, check_fork_points, first_message_rows
 from kvsteward.train.lora import LoraRunConfig, training_args, wrap_lora
 from kvsteward.train.trainer import StewardTrainer
 
@@ -159,8 +159,8 @@ def test_zero3_with_aux_scope_is_refused():
         LoraRunConfig(data="-", out="-", adapter_scope="fork").check()
 
 
-def test_task_context_row_is_the_fork_on_the_task_alone(tmp_path, tok, trace):
-    """`--aux-context task`: a notes row cut to its first message equals the engine's adapter fork on a session that
+def test_first_message_row_is_the_fork_on_that_message_alone(tmp_path, tok, trace):
+    """`--aux-context first`: a notes row cut to its first message equals the engine's adapter fork on a session that
     holds only that message (the whole template piece of the full conversation, positions renumbered), and the cut
     changes the loss (the test can fail). Main rows pass unchanged; packed rows and foreign tokens are refused."""
     b = hs.boundaries(trace, 2)[-1]
@@ -168,7 +168,7 @@ def test_task_context_row_is_the_fork_on_the_task_alone(tmp_path, tok, trace):
     cfg_h = HindsightConfig(every=2, max_tokens=10**6, plan=False, trigger="notes")
     row = _aux_at(trace, PieceTokenizer(tok), cfg_h, ctx)[0]
     main = {**row, "is_aux": False, "kind": "main", "fork_at": 0}
-    cut, kept = task_context_rows(Dataset.from_list([row, main]), tok)
+    cut, kept = first_message_rows(Dataset.from_list([row, main]), tok)
     assert kept == Dataset.from_list([main])[0]
 
     first = message_token_ids(tok, ctx.messages)[0]  # piece 0 of the whole conversation's rendering
@@ -194,19 +194,19 @@ def test_task_context_row_is_the_fork_on_the_task_alone(tmp_path, tok, trace):
     assert (full["ce_aux"] - ref).abs() > 1e-2 > 100 * (short["ce_aux"] - ref).abs()
 
     with pytest.raises(DataError, match="another model"):
-        task_context_rows(Dataset.from_list([{**row, "input_ids": [first[0] + 1] + row["input_ids"][1:]}]), tok)
+        first_message_rows(Dataset.from_list([{**row, "input_ids": [first[0] + 1] + row["input_ids"][1:]}]), tok)
     packed = packed_row(trace, PieceTokenizer(tok), every=1, mask_prob=0.5, seed=3, plan=False)
     with pytest.raises(DataError, match="packed"):
-        task_context_rows(Dataset.from_list([{**row, "segment": packed["segment"][:len(row["input_ids"])]}]), tok)
+        first_message_rows(Dataset.from_list([{**row, "segment": packed["segment"][:len(row["input_ids"])]}]), tok)
     with pytest.raises(DataError, match="fork_at"):
-        task_context_rows(Dataset.from_list([{k: v for k, v in row.items() if k != "fork_at"}]), tok)
-    for bad, msg in ((dict(aux_context="task"), "needs --adapter-scope aux"), (dict(aux_context="trunk"), "one of")):
+        first_message_rows(Dataset.from_list([{k: v for k, v in row.items() if k != "fork_at"}]), tok)
+    for bad, msg in ((dict(aux_context="first"), "needs --adapter-scope aux"), (dict(aux_context="trunk"), "one of")):
         with pytest.raises(ValueError, match=msg):
             LoraRunConfig(data="-", out=str(tmp_path), **bad).check()
 
 
-def test_train_with_task_context_keeps_rows_whose_full_context_is_too_long(tiny_folder, tok, tmp_path, monkeypatch):
-    """`train_lora(aux_context="task")`: the cut happens before the length filter, so deletion rows whose full
+def test_train_on_first_message_rows_keeps_rows_whose_full_context_is_too_long(tiny_folder, tok, tmp_path, monkeypatch):
+    """`train_lora(aux_context="first")`: the cut happens before the length filter, so deletion rows whose full
     context exceeds `max_len` are trained on instead of dropped; the run says so and writes the adapter."""
     from kvsteward.synth.dataset import build_dataset
     from kvsteward.train.data import fit_length
@@ -220,9 +220,9 @@ def test_train_with_task_context_keeps_rows_whose_full_context_is_too_long(tiny_
     assert fit_length(delete, max_len)[1]["delete"] > 0
     logs: list[str] = []
     cfg = LoraRunConfig(data=str(tmp_path / "ds"), out=str(tmp_path / "run"), model=str(tiny_folder), max_steps=1,
-                        batch_size=2, rank=4, alpha=8, mlflow=False, adapter_scope="aux", aux_context="task",
+                        batch_size=2, rank=4, alpha=8, mlflow=False, adapter_scope="aux", aux_context="first",
                         max_len=max_len)
     res = train_lora(cfg, log=logs.append)
     assert res.steps == 1 and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
-    assert any("--aux-context task" in m for m in logs)
+    assert any("--aux-context first" in m for m in logs)
     assert not any("dropped" in m and "delete" in m for m in logs), logs

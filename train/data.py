@@ -21,9 +21,9 @@ REQUIRED = ("input_ids", "labels", "is_aux")
 # `--adapter-scope` — all: the adapter runs on every token of a row (main rows distilled toward the base model);
 # aux: only on the tokens the serving aux thread computes itself (`aux_thread_tokens`), over the base model's K/V.
 ADAPTER_SCOPES = ("all", "aux")
-# `--aux-context` — full: an aux row's context is everything before its fork (what the served fork reads); task: only
-# the first message (`task_context_rows`), a cheaper row whose decision the notes trigger's text alone carries.
-AUX_CONTEXTS = ("full", "task")
+# `--aux-context` — full: an aux row's context is everything before its fork (what the served fork reads); first: only
+# the conversation's first message (`first_message_rows`), a shorter row whose decision the notes trigger carries.
+AUX_CONTEXTS = ("full", "first")
 
 
 class DataError(ValueError):
@@ -198,14 +198,15 @@ def check_fork_points(ds: Dataset) -> None:
                         "--adapter-scope all")
 
 
-def task_context_rows(ds: Dataset, tokenizer) -> Dataset:
-    """`--aux-context task`: every aux row's context cut to the conversation's first message (the task, with what
-    the chat template puts before it); the trigger, opener and target follow it unchanged, `fork_at` moves to the
+def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
+    """`--aux-context first`: every aux row's context cut to the conversation's first message (in synthesized
+    traces the system prompt: the agent's role and tools; the task itself is the notes trigger's `Task:` line), with
+    what the chat template puts before it; the trigger, opener and target follow it unchanged, `fork_at` moves to the
     cut, positions renumber (as after pre-masking). Main rows are kept as they are.
 
     Why: with the notes trigger every label follows from the trigger's text alone
     (`test_property_the_notes_trigger_alone_decides_every_label`), and under `--adapter-scope aux` the context is
-    only a no-grad forward the aux thread attends to. Cut to the task, a row's length no longer grows with the
+    only a no-grad forward the aux thread attends to. Cut to its first message, a row's length no longer grows with the
     session, so the late boundaries (many open cursors, the recap's fact pages) fit `--max-len` instead of being
     dropped. The cut saves less time than its length suggests: on CPU the aux thread's own tokens, with gradients
     through every adapted layer, cost most of a step. What the row no longer shows the adapter is the served fork's
@@ -214,10 +215,10 @@ def task_context_rows(ds: Dataset, tokenizer) -> Dataset:
     """
     for col in ("messages", "fork_at"):
         if col not in ds.column_names:
-            raise DataError(f"--aux-context task needs the hindsight column {col!r}; the dataset has "
+            raise DataError(f"--aux-context first needs the hindsight column {col!r}; the dataset has "
                             f"{ds.column_names}")
     if "segment" in ds.column_names and any(ds["segment"]):
-        raise DataError("--aux-context task cuts per-boundary rows; this dataset holds packed rows (`--pack`)")
+        raise DataError("--aux-context first cuts per-boundary rows; this dataset holds packed rows (`--pack`)")
     from kvsteward.synth.chat import message_token_ids
 
     def cut(row: dict, i: int) -> dict:
@@ -238,7 +239,7 @@ def task_context_rows(ds: Dataset, tokenizer) -> Dataset:
             row["n_tokens"] = len(row["input_ids"])
         return row
 
-    return ds.map(cut, with_indices=True, desc="aux context → task")
+    return ds.map(cut, with_indices=True, desc="aux context → first message")
 
 
 def validation_rows(splits, n: int, max_len: int, adapter_scope: str, seed: int = 0) -> Dataset:

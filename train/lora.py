@@ -19,9 +19,9 @@ from kvsteward.train.data import (
     check_fork_points,
     check_vocab,
     dataset_trigger,
+    first_message_rows,
     fit_length,
     load_splits,
-    task_context_rows,
     validation_rows,
     weigh_delete_rows,
 )
@@ -58,7 +58,7 @@ class LoraRunConfig:
     hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
     skip_trivial: bool = False  # leave out deletion rows whose open cursors are all unread (never decoded)
     adapter_scope: str = "all"  # all | aux: the adapter on every token, or only on the aux thread's (train.trainer)
-    aux_context: str = "full"  # full | task: an aux row's context as served, or only the task (task_context_rows)
+    aux_context: str = "full"  # full | first: an aux row's context as served, or its first message only
     eval_rows: int = 0  # held-out aux rows of the `validation` split scored during training (0 = no validation)
     eval_steps: int = 0  # score them every N steps (0 = at every checkpoint, `save_steps`)
     keep_best: bool = False  # deliver the best validation checkpoint (by `best_metric`) instead of the last state
@@ -110,9 +110,9 @@ class LoraRunConfig:
                        "of times); use zero2 or none")
         if self.aux_context not in AUX_CONTEXTS:
             bad.append(f"aux_context must be one of {AUX_CONTEXTS} (got {self.aux_context!r})")
-        elif self.aux_context == "task" and self.adapter_scope != "aux":
+        elif self.aux_context == "first" and self.adapter_scope != "aux":
             # Under scope all the adapter also runs on the context, whose cut would then change what it learns there.
-            bad.append("aux_context task cuts the context the aux thread reads: it needs --adapter-scope aux")
+            bad.append("aux_context first cuts the context the aux thread reads: it needs --adapter-scope aux")
         if bad:
             raise ValueError("; ".join(bad))
 
@@ -253,12 +253,12 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
 
     splits = load_splits(cfg.data)
     train = splits["train"]
-    if cfg.aux_context == "task":  # before fit_length: a row cut to its task fits where its full context did not
+    if cfg.aux_context == "first":  # before fit_length: a cut row fits where its full context did not
         from kvsteward.models import load_tokenizer
 
-        train = task_context_rows(train, load_tokenizer(cfg.model))
-        log("--aux-context task: aux rows cut to the task message before the trigger (validation keeps the full "
-            "context, as served)")
+        train = first_message_rows(train, load_tokenizer(cfg.model))
+        log("--aux-context first: aux rows cut to the conversation's first message before the trigger (validation "
+            "keeps the full context, as served)")
     train, dropped, truncated = fit_length(train, cfg.max_len)
     if dropped or truncated:
         log(f"max_len={cfg.max_len}: dropped {dict(dropped) or 'none'}, left-truncated {truncated} main rows")
