@@ -256,6 +256,10 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     if cfg.aux_context == "first":  # before fit_length: a cut row fits where its full context did not
         from kvsteward.models import load_tokenizer
 
+        if dataset_trigger(cfg.data, train) != "notes":  # the ids trigger's evidence is in the context it would cut
+            raise DataError("--aux-context first needs rows with the notes trigger (`steward synth hindsight "
+                            "--trigger notes`): with the ids trigger the evidence for each id is in the context "
+                            "the cut removes")
         train = first_message_rows(train, load_tokenizer(cfg.model))
         log("--aux-context first: aux rows cut to the conversation's first message before the trigger (validation "
             "keeps the full context, as served)")
