@@ -213,20 +213,18 @@ def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
     own context: the server still runs it on the full one (a train/serve difference, measured in
     docs/training.md). Packed rows are refused: their branches are defined by the trunk they sit on.
     """
-    for col in ("messages", "fork_at"):
-        if col not in ds.column_names:
-            raise DataError(f"--aux-context first needs the hindsight column {col!r}; the dataset has "
-                            f"{ds.column_names}")
+    if "messages" not in ds.column_names:
+        raise DataError(f"--aux-context first needs the hindsight column 'messages'; the dataset has "
+                        f"{ds.column_names}")
     if "segment" in ds.column_names and any(ds["segment"]):
         raise DataError("--aux-context first cuts per-boundary rows; this dataset holds packed rows (`--pack`)")
+    check_fork_points(ds)
     from kvsteward.synth.chat import message_token_ids
 
     def cut(row: dict, i: int) -> dict:
-        f = int(row["fork_at"] or 0)
         if not row["is_aux"]:
             return row
-        if f <= 0:
-            raise DataError(f"aux row {i} has no fork point (`fork_at`): rebuild it with `steward synth hindsight`")
+        f = int(row["fork_at"])
         first = message_token_ids(tokenizer, json.loads(row["messages"])[:1])[0]
         n = len(first)
         if not 0 < n <= f or list(row["input_ids"][:n]) != first:

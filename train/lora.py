@@ -253,10 +253,11 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
 
     splits = load_splits(cfg.data)
     train = splits["train"]
+    trigger = dataset_trigger(cfg.data, train)  # the layout the adapter learns, recorded for the server
     if cfg.aux_context == "first":  # before fit_length: a cut row fits where its full context did not
         from kvsteward.models import load_tokenizer
 
-        if dataset_trigger(cfg.data, train) != "notes":  # the ids trigger's evidence is in the context it would cut
+        if trigger != "notes":  # the ids trigger's evidence is in the context it would cut
             raise DataError("--aux-context first needs rows with the notes trigger (`steward synth hindsight "
                             "--trigger notes`): with the ids trigger the evidence for each id is in the context "
                             "the cut removes")
@@ -281,7 +282,6 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
         log(f"validation: {len(val)} aux rows of the 'validation' split, scored every "
             f"{cfg.eval_steps or cfg.save_steps} steps"
             f"{f' (the best checkpoint by {cfg.best_metric} is delivered)' if cfg.keep_best else ''}")
-    trigger = dataset_trigger(cfg.data, train)  # the layout the adapter learns, recorded for the server
     base, tokenizer, path = load_base(cfg.model)
     check_vocab(train, base.config.vocab_size)
     if val is not None:
