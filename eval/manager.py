@@ -214,4 +214,4 @@ def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[st
                              "peak_tokens": sum(ref.peak),
                              "kv_reads": sum(ref.kv_reads)},
             "n_traces": len(traces), "every": every, "close_bias": close_bias,
-            "keep_unread": keep_unread}
+            "keep_unread": keep_unread, "aux_context": engine.aux_context}

@@ -113,10 +113,11 @@ ADAPTER_META = "kvsteward.json"  # beside adapter_config.json: how the manager w
 
 
 def adapter_meta(adapter: str | Path) -> dict:
-    """What `steward train lora` recorded about an adapter: `{"trigger": ..., "adapter_scope": ...}`. An adapter
-    without the file predates it and was trained on the `ids` trigger."""
+    """What `steward train lora` recorded about an adapter: `{"trigger": ..., "adapter_scope": ...,
+    "aux_context": ...}`. An adapter without the file predates it and was trained on the `ids` trigger; one without
+    `aux_context` on the full context."""
     path = Path(adapter).expanduser() / ADAPTER_META
-    return {"trigger": "ids", **(json.loads(path.read_text()) if path.is_file() else {})}
+    return {"trigger": "ids", "aux_context": "full", **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
 def write_adapter_meta(adapter: str | Path, meta: dict) -> None:

@@ -138,6 +138,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             delete_unread: bool = typer.Option(False, "--delete-unread",
                                                help="let the manager delete tool responses not read yet (serving's "
                                                     "--aux-delete-unread; default: never)"),
+            aux_context: str | None = typer.Option(None, help="what the aux trigger follows: full (the session) or "
+                                                        "first (its first message only); default: as the adapter "
+                                                        "was trained (its kvsteward.json), full without one"),
             mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
@@ -145,10 +148,13 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     from kvsteward.eval.manager import evaluate
     from kvsteward.serve.engine import Engine
     from kvsteward.synth.dataset import CARD_JSON
+    from kvsteward.synth.hindsight import AUX_CONTEXTS
     from kvsteward.synth.trace import read_traces
 
     if not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
+    if aux_context is not None and aux_context not in AUX_CONTEXTS:
+        raise typer.BadParameter(f"--aux-context must be one of {', '.join(AUX_CONTEXTS)}, got {aux_context!r}")
     card = data / CARD_JSON
     src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
     if src is None:
@@ -158,6 +164,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         raise typer.BadParameter(f"no {split!r} traces in {src}")
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
+    if aux_context is not None:
+        engine.aux_context = aux_context
     arms = ("base", "adapter") if adapter else ("base",)
     result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias,
                       keep_unread=not delete_unread)
@@ -169,7 +177,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
                                "every": every, "traces": len(trs), "close_bias": close_bias,
-                               "keep_unread": not delete_unread})
+                               "keep_unread": not delete_unread, "aux_context": engine.aux_context})
             mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
                                 if isinstance(v, (int, float)) and v == v})
             mlflow.log_dict(result, "manager_eval.json")

@@ -46,6 +46,9 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           aux_delete_unread: bool = typer.Option(False, "--aux-delete-unread",
                                                  help="let the aux delete tool responses the agent has not read yet "
                                                       "(default: never; the step after a boundary reads them)"),
+          aux_context: str = typer.Option(None, help="what the aux trigger follows: full (the session) or first "
+                                                     "(its first message only; constant cost per decision); "
+                                                     "default: as the adapter was trained (its kvsteward.json)"),
           tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
@@ -63,6 +66,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     from kvsteward.serve.completions import ServeLimits
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.ops import OpsError, SessionSpec, session_spec
+    from kvsteward.synth.hindsight import AUX_CONTEXTS
 
     if adapter is not None and aux_base:
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
@@ -76,6 +80,10 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     for flag, on in (("--aux-close-bias", aux_close_bias), ("--aux-delete-unread", aux_delete_unread)):
         if on and adapter is None and not aux_base:
             raise typer.BadParameter(f"{flag} needs a manager: --adapter DIR (or --aux-base for the base model)")
+    if aux_context is not None and adapter is None and not aux_base:
+        raise typer.BadParameter("--aux-context needs a manager: --adapter DIR (or --aux-base for the base model)")
+    if aux_context is not None and aux_context not in AUX_CONTEXTS:
+        raise typer.BadParameter(f"--aux-context must be one of {', '.join(AUX_CONTEXTS)}, got {aux_context!r}")
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
@@ -90,6 +98,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
             raise typer.BadParameter(str(e)) from e
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, dtype=getattr(torch, dtype), adapter=None if adapter is None else str(adapter))
+    if aux_context is not None:
+        engine.aux_context = aux_context
     try:
         defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
     except OpsError as e:

@@ -8,6 +8,9 @@ greedy-decode `{"del_cursors": [...]}` under a constraint that admits only open 
 always parses. The caller applies the deletion to the main session as a `drop` at its next turn. The aux tokens never
 enter the main context.
 
+An adapter trained with `--aux-context first` (`Engine.aux_context`) is served as trained: its trigger follows a
+session holding only the conversation's first message (`first_message_session`), not the fork.
+
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors":` prefix; at each step
 only vocabulary tokens made of `0-9 , [ ] }` and space are candidates (a few hundred), each checked against it.
 `AuxConfig.close_bias` (`--aux-close-bias`) adds a constant to the candidates that close the list: fewer, surer
@@ -44,7 +47,7 @@ import torch
 
 from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.session import Session
-from kvsteward.synth.chat import generation_prompt, message_texts
+from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
 from kvsteward.synth.hindsight import PLAN_TRIGGER, delete_trigger, unread_cursors
 
 # The forced opener stops before the list's `[`: BPE merges the bracket with what follows, so the training targets
@@ -224,17 +227,36 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     every resumption runs at most one model forward (trigger prefill, the forced opener, then one decoded token), so
     a scheduler can take the model lock per step and yield to main work in between. Returns the decision.
     The decoder may list any open cursor, except the unread ones with `keep_unread` (`unread_cursors`); with none
-    left to list the decision is "delete nothing" without a forward."""
+    left to list the decision is "delete nothing" without a forward.
+
+    With `Engine.aux_context == "first"` (an adapter trained with `--aux-context first`) the trigger follows only the
+    conversation's first message, in a session of its own (`first_message_session`), not the fork: the computation
+    the adapter was trained on. The notes trigger still lists every open cursor of the whole session."""
     unread = set(unread_cursors(messages)) if keep_unread else set()
     deletable = [c for c in open_cursors if c not in unread]
     if not deletable:
         return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
+    if fork.engine.aux_context == "first":
+        fork = first_message_session(fork, tokenizer, messages)
+        yield
     text = delete_trigger(open_cursors, messages, fork.engine.trigger_style)  # the adapter's training layout
     history = messages + [{"role": "user", "content": text}]
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield
     return (yield from _constrained_steps(fork, tokenizer, deletable, max_tokens, close_bias))
+
+
+def first_message_session(fork: Session, tokenizer, messages: list[dict]) -> Session:
+    """A new session on `fork`'s engine holding only `messages[0]` (as the chat template writes it at the start of
+    the conversation, positions from 0), prefilled by the base model as the main thread computed it; the adapter
+    setting of `fork` applies to what is appended next. Exactly the context of a `train.data.first_message_rows` row.
+    Why not cut the fork: a shared fork cannot drop the main session's rows, and a copy would cost the whole
+    session; this costs the first message's prefill, whatever the session's length."""
+    head = fork.engine.session("full", chunk=fork.config.chunk)
+    head.append(message_token_ids(tokenizer, messages[:1])[0], kind=messages[0].get("role", "system"))
+    head.config.use_adapter = fork.config.use_adapter
+    return head
 
 
 def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,

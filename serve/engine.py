@@ -13,13 +13,15 @@ from kvsteward.serve.spill import SpillStore, host_store
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, trigger_style: str = "ids"):
+    def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full"):
         from kvsteward.kernels.rope import rope_spec
-        from kvsteward.synth.hindsight import check_trigger_style
+        from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
         self.model = model.eval()
-        # The deletion trigger the aux thread writes: the layout the adapter was trained on (`adapter_meta`).
+        # The deletion trigger the aux thread writes, and the context it follows (the whole session, or its first
+        # message): the layout the adapter was trained on (`adapter_meta`).
         self.trigger_style = check_trigger_style(trigger_style)
+        self.aux_context = check_aux_context(aux_context)
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.tokenizer = tokenizer
         cfg = model.config
@@ -70,7 +72,8 @@ class Engine:
             return cls(m, tok)
         from peft import PeftModel
 
-        return cls(PeftModel.from_pretrained(m, adapter), tok, models.adapter_meta(adapter)["trigger"])
+        meta = models.adapter_meta(adapter)
+        return cls(PeftModel.from_pretrained(m, adapter), tok, meta["trigger"], meta["aux_context"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:

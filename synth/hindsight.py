@@ -38,6 +38,17 @@ def check_trigger_style(style: str) -> str:
     return style
 
 
+# What the aux thread's trigger follows: the whole session (`full`), or only its first message (`first`: the system
+# prompt in synthesized traces; `steward train lora --aux-context first`). Recorded with the adapter, like the trigger.
+AUX_CONTEXTS = ("full", "first")
+
+
+def check_aux_context(context: str) -> str:
+    if context not in AUX_CONTEXTS:
+        raise ValueError(f"aux context must be one of {', '.join(AUX_CONTEXTS)}, got {context!r}")
+    return context
+
+
 def delete_trigger(open_cursors: list[int], messages: list[dict] | None = None, style: str = "ids") -> str:
     """The deletion trigger message; training and serving must use the same text.
 

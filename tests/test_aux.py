@@ -215,3 +215,86 @@ def test_the_engine_serves_the_trigger_layout_its_adapter_was_trained_on(tiny_fo
     next(aux_steps(fork, tok, MESSAGES, [2, 4], keep_unread=False))  # the trigger prefill
     trigger = tok.decode(fork.tokens[before:])
     assert "Task: Find the founder of Acme.\nOpen cursors: 2, 4\n2: open(doc 9)\n4: not read yet" in trigger
+
+
+def test_the_engine_serves_the_aux_context_its_adapter_was_trained_on(tiny_folder, tmp_path):
+    """`kvsteward.json` without `aux_context` (adapters before it): the full context; `first` as recorded; an unknown
+    value is refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kvsteward.models import ADAPTER_META
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    get_peft_model(base, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_META).write_text('{"trigger": "notes", "adapter_scope": "aux"}')
+    assert Engine.load(str(tiny_folder), adapter=str(tmp_path / "a")).aux_context == "full"
+    (tmp_path / "a" / ADAPTER_META).write_text('{"trigger": "notes", "adapter_scope": "aux", "aux_context": "first"}')
+    assert Engine.load(str(tiny_folder), adapter=str(tmp_path / "a")).aux_context == "first"
+    (tmp_path / "a" / ADAPTER_META).write_text('{"trigger": "notes", "aux_context": "task"}')
+    with pytest.raises(ValueError, match="aux context must be one of full, first, got 'task'"):
+        Engine.load(str(tiny_folder), adapter=str(tmp_path / "a"))
+
+
+def test_aux_context_first_serves_the_cut_training_row(tok, monkeypatch):
+    """With `aux_context == "first"` the aux thread runs on a session holding only the first message, then the
+    trigger (notes of every open cursor of the whole session), the opener and the forced `PREFIX`: token for token the
+    row `steward train lora --aux-context first` trains on (`first_message_rows` of the hindsight row). The first
+    message runs on the base model and the trigger with the adapter, as in training (`--adapter-scope aux`): its
+    logits equal a session built by hand that way, and differ from the full-context fork's. The main session is not
+    touched."""
+    import random
+
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+
+    from kvsteward.serve import aux as aux_mod
+    from kvsteward.synth import hindsight as hs
+    from kvsteward.synth.chat import message_token_ids
+    from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
+    from kvsteward.synth.generate import generate_traces
+    from kvsteward.train.data import first_message_rows
+
+    base = tiny_model("llama", vocab=len(tok), seed=6)
+    engine = Engine(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False)), tok, "notes", "first")
+    trace = next(t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4)
+    b = hs.boundaries(trace, 2)[1]
+    ctx = hs.aux_context(trace, b, random.Random(0), mask_prob=0.0)
+    row = _aux_at(trace, PieceTokenizer(tok), HindsightConfig(every=2, max_tokens=10**6, plan=False,
+                                                              trigger="notes"), ctx)[0]
+    cut = first_message_rows(Dataset.from_list([row]), tok)[0]
+    main = engine.session("full")
+    for m, ids in zip(ctx.messages, message_token_ids(tok, ctx.messages), strict=True):
+        main.append(ids, kind=m["role"])
+    key = main.history_key()
+    heads = []
+    real = aux_mod.first_message_session
+    monkeypatch.setattr(aux_mod, "first_message_session", lambda *a: heads.append(real(*a)) or heads[-1])
+    fork = main.fork(shared=True)
+    fork.config.use_adapter = True
+    steps = aux_mod.aux_steps(fork, tok, trace.messages[:b], ctx.open_cursors)
+    next(steps), next(steps)  # the first message's prefill, then the trigger's
+    (head,) = heads
+    served_logits = head.last_logits.clone()
+    next(steps)  # the forced opener
+    first = next(i for i, t in enumerate(cut["labels"]) if t != -100)
+    forced = len(tok.encode(aux_mod.PREFIX, add_special_tokens=False))
+    assert head.tokens == cut["input_ids"][:first + forced]
+    assert head.tokens[:cut["fork_at"]] == message_token_ids(tok, ctx.messages)[0]
+
+    by_hand = engine.session("full")
+    by_hand.append(cut["input_ids"][:cut["fork_at"]], kind="system")
+    by_hand.config.use_adapter = True
+    by_hand.append(cut["input_ids"][cut["fork_at"]:first], kind="user")
+    torch.testing.assert_close(served_logits, by_hand.last_logits)
+    wrong = engine.session("full")  # the adapter on the first message too: not what was trained
+    wrong.config.use_adapter = True
+    wrong.append(cut["input_ids"][:first], kind="user")
+    assert not torch.allclose(served_logits, wrong.last_logits)
+    engine.aux_context = "full"
+    fork = main.fork(shared=True)
+    fork.config.use_adapter = True
+    next(aux_mod.aux_steps(fork, tok, trace.messages[:b], ctx.open_cursors))
+    assert not torch.allclose(served_logits, fork.last_logits)
+    assert main.history_key() == key

@@ -119,3 +119,32 @@ def test_cli_refuses_a_non_finite_close_bias_before_loading_anything(tmp_path):
 
     res = CliRunner().invoke(app, ["eval", "manager", "--data", str(tmp_path), "--close-bias", "nan", "--no-mlflow"])
     assert res.exit_code == 2 and "--close-bias must be a finite number" in res.output
+
+
+def test_aux_context_reaches_the_decoder_through_evaluate(setup, monkeypatch):
+    """`Engine.aux_context` (an adapter's recorded context, or `--aux-context`) is what `evaluate` serves: with
+    `first` every aux call that decodes runs on a first-message session, with `full` none does; the result says
+    which."""
+    from kvsteward.eval.manager import evaluate
+    from kvsteward.serve import aux as aux_mod
+
+    engine, traces = setup
+    calls: list[int] = []
+    real = aux_mod.first_message_session
+    monkeypatch.setattr(aux_mod, "first_message_session", lambda f, t, m: calls.append(len(m)) or real(f, t, m))
+    full = evaluate(engine, traces[:1], every=2, arms=("base",), close_bias=-1e4)
+    assert full["aux_context"] == "full" and not calls
+    monkeypatch.setattr(engine, "aux_context", "first")
+    first = evaluate(engine, traces[:1], every=2, arms=("base",), close_bias=-1e4)
+    assert first["aux_context"] == "first" and len(calls) == first["base"]["aux_calls"] > 0
+    # a huge bias against closing deletes every read cursor whatever the context: same deletions, same tallies
+    assert first["base"]["deleted"] == full["base"]["deleted"] > 0
+
+
+def test_cli_refuses_an_unknown_aux_context_before_loading_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvsteward.pipelines.cli import app
+
+    res = CliRunner().invoke(app, ["eval", "manager", "--data", str(tmp_path), "--aux-context", "task", "--no-mlflow"])
+    assert res.exit_code == 2 and "--aux-context must be one of full, first" in res.output

@@ -226,6 +226,20 @@ def test_a_pending_decision_survives_a_kill(engine, tmp_path):
         "aux_pending"] is False  # applied and persisted with turn 3: never applied twice
 
 
+def test_the_worker_serves_the_engine_s_aux_context(engine, tmp_path, monkeypatch):
+    """An engine whose adapter was trained with `--aux-context first`: the worker's decode follows a session holding
+    the conversation's first message (once per decision, given the messages up to the boundary), not the fork."""
+    from kvsteward.serve import aux as aux_mod
+
+    seen: list[list[dict]] = []
+    real = aux_mod.first_message_session
+    monkeypatch.setattr(aux_mod, "first_message_session", lambda f, t, m: seen.append(m) or real(f, t, m))
+    monkeypatch.setattr(engine, "aux_context", "first")
+    pending = _first_decision(engine, tmp_path / "a", AuxConfig(every=2, max_tokens=16, use_adapter=False))
+    assert len(seen) == 1 and len(seen[0]) == pending["boundary"] == 6 and seen[0][0]["role"] == "system"
+    assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [3]
+
+
 def test_fork_mid_turn_right_after_the_tool_message(engine, tmp_path):
     """Turns whose new messages do not end with the boundary's tool response: the fork is taken right after it
     (and after the cache ops that belong right after it), before the following messages and the reply."""
@@ -348,14 +362,16 @@ def test_serve_cli_aux_flags(tmp_path):
     root.command()(lambda: None)
     out = CliRunner().invoke(root, ["serve", "--help"])
     for option in ["--adapter", "--aux-every", "--aux-base", "--valkey-url", "--host-tier-bytes", "--aux-max-wait",
-                   "--spill-tier", "--aux-close-bias", "--aux-delete-unread"]:
+                   "--spill-tier", "--aux-close-bias", "--aux-delete-unread", "--aux-context"]:
         assert option in out.output
     for flags in (["--aux-every", "2"], ["--aux-max-wait", "1"], ["--aux-close-bias", "2"],
-                  ["--aux-delete-unread"]):
+                  ["--aux-delete-unread"], ["--aux-context", "first"]):
         bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), *flags])
         assert bad.exit_code != 0 and "needs a manager" in bad.output
     bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--spill-tier", "valkey"])
     assert bad.exit_code != 0 and "--spill-tier must be" in bad.output
+    bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--aux-base", "--aux-context", "task"])
+    assert bad.exit_code != 0 and "--aux-context must be one of full, first" in bad.output
 
 
 def test_bench_aux_plumbing(engine):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from kvsteward.models import tiny_model
+from kvsteward.models import adapter_meta, tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.synth import hindsight as hs
 from kvsteward.synth.chat import message_token_ids
@@ -207,7 +207,8 @@ def test_first_message_row_is_the_fork_on_that_message_alone(tmp_path, tok, trac
 
 def test_train_on_first_message_rows_keeps_rows_whose_full_context_is_too_long(tiny_folder, tok, tmp_path, monkeypatch):
     """`train_lora(aux_context="first")`: the cut happens before the length filter, so deletion rows whose full
-    context exceeds `max_len` are trained on instead of dropped; the run says so and writes the adapter."""
+    context exceeds `max_len` are trained on instead of dropped; the run says so and writes the adapter, which
+    records `aux_context: first` for its server."""
     from kvsteward.synth.dataset import build_dataset
     from kvsteward.train.data import fit_length
     from kvsteward.train.lora import train_lora
@@ -221,10 +222,12 @@ def test_train_on_first_message_rows_keeps_rows_whose_full_context_is_too_long(t
     logs: list[str] = []
     cfg = LoraRunConfig(data=str(tmp_path / "ds"), out=str(tmp_path / "run"), model=str(tiny_folder), max_steps=1,
                         batch_size=2, rank=4, alpha=8, mlflow=False, adapter_scope="aux", aux_context="first",
-                        max_len=max_len)
+                        max_len=max_len, eval_rows=2)
     res = train_lora(cfg, log=logs.append)
     assert res.steps == 1 and (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
-    assert any("--aux-context first" in m for m in logs)
+    assert any("--aux-context first: aux rows (training and validation) cut" in m for m in logs), logs
+    # the adapter records the cut: its server runs the aux thread on the first message too (tests/test_aux.py)
+    assert adapter_meta(tmp_path / "run" / "adapter")["aux_context"] == "first"
     assert not any("dropped" in m and "delete" in m for m in logs), logs
     # rows with the ids trigger keep the evidence in the context: the cut is refused by name, before any training
     dd, _, _ = build_dataset(generate_traces(20, seed=3), tok, HindsightConfig(every=2, plan=False, trigger="ids"))

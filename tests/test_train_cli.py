@@ -89,12 +89,14 @@ def test_adapter_scope_aux_trains_without_main_rows_and_refuses_rows_without_a_f
     assert (files / "run" / "adapter" / "adapter_model.safetensors").exists()
     # the adapter records how it was trained: no dataset card → the `ids` trigger
     assert json.loads((files / "run" / "adapter" / "kvsteward.json").read_text()) == {"trigger": "ids",
-                                                                                      "adapter_scope": "aux"}
+                                                                                      "adapter_scope": "aux",
+                                                                                      "aux_context": "full"}
     (files / "ds" / "card.json").write_text(json.dumps({"config": {"trigger": "notes"}}))
     res = _run(files, "--model", str(files / "tiny"), "--out", str(files / "run_notes"))
     assert res.exit_code == 0, res.stderr[-2000:]
     assert json.loads((files / "run_notes" / "adapter" / "kvsteward.json").read_text()) == {"trigger": "notes",
-                                                                                            "adapter_scope": "all"}
+                                                                                            "adapter_scope": "all",
+                                                                                            "aux_context": "full"}
     (files / "ds" / "card.json").unlink()
     from datasets import load_from_disk
 

@@ -21,9 +21,6 @@ REQUIRED = ("input_ids", "labels", "is_aux")
 # `--adapter-scope` — all: the adapter runs on every token of a row (main rows distilled toward the base model);
 # aux: only on the tokens the serving aux thread computes itself (`aux_thread_tokens`), over the base model's K/V.
 ADAPTER_SCOPES = ("all", "aux")
-# `--aux-context` — full: an aux row's context is everything before its fork (what the served fork reads); first: only
-# the conversation's first message (`first_message_rows`), a shorter row whose decision the notes trigger carries.
-AUX_CONTEXTS = ("full", "first")
 
 
 class DataError(ValueError):
@@ -209,9 +206,9 @@ def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
     only a no-grad forward the aux thread attends to. Cut to its first message, a row's length no longer grows with the
     session, so the late boundaries (many open cursors, the recap's fact pages) fit `--max-len` instead of being
     dropped. The cut saves less time than its length suggests: on CPU the aux thread's own tokens, with gradients
-    through every adapted layer, cost most of a step. What the row no longer shows the adapter is the served fork's
-    own context: the server still runs it on the full one (a train/serve difference, measured in
-    docs/training.md). Packed rows are refused: their branches are defined by the trunk they sit on.
+    through every adapted layer, cost most of a step. The adapter records the cut (`kvsteward.json`
+    `aux_context`), and the server runs its aux thread on the first message alone too (`serve.aux.aux_steps`): the
+    served computation is the trained one. Packed rows are refused: their branches are defined by the trunk they sit on.
     """
     if "messages" not in ds.column_names:
         raise DataError(f"--aux-context first needs the hindsight column 'messages'; the dataset has "

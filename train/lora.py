@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from kvsteward.models import write_adapter_meta
+from kvsteward.synth.hindsight import AUX_CONTEXTS
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
-    AUX_CONTEXTS,
     Collator,
     DataError,
     check_fork_points,
@@ -261,9 +261,13 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
             raise DataError("--aux-context first needs rows with the notes trigger (`steward synth hindsight "
                             "--trigger notes`): with the ids trigger the evidence for each id is in the context "
                             "the cut removes")
-        train = first_message_rows(train, load_tokenizer(cfg.model))
-        log("--aux-context first: aux rows cut to the conversation's first message before the trigger (validation "
-            "keeps the full context, as served)")
+        cut_tokenizer = load_tokenizer(cfg.model)
+        train = first_message_rows(train, cut_tokenizer)
+        cut_val = bool(cfg.eval_rows) and "validation" in splits
+        if cut_val:  # scored as served: the adapter's server cuts its context too
+            splits["validation"] = first_message_rows(splits["validation"], cut_tokenizer)
+        log(f"--aux-context first: aux rows {'(training and validation) ' if cut_val else ''}cut to the "
+            "conversation's first message before the trigger, as the adapter's server runs them")
     train, dropped, truncated = fit_length(train, cfg.max_len)
     if dropped or truncated:
         log(f"max_len={cfg.max_len}: dropped {dict(dropped) or 'none'}, left-truncated {truncated} main rows")
@@ -313,7 +317,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
 
     progress = RichProgress(cfg.max_steps)
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
-    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope}  # how it was trained, for the server
+    # how it was trained, for the server: the trigger it writes, and the context it serves the aux thread on
+    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope, "aux_context": cfg.aux_context}
     callbacks = [progress, AdapterMetaInCheckpoints(meta)] + ([MlflowMetrics()] if tracking else []) + budget + \
         list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
