@@ -614,7 +614,7 @@ class AuxJob:
     messages: list[dict]  # the session's messages up to and including that tool message
     open_cursors: list[int]  # tool messages among them not dropped at the fork point
     turn: int  # the index of the turn the fork was taken in
-    fork_key: str = ""  # the fork's history key before the trigger (what the manager saw), set by `aux_take`
+    fork_key: str = ""  # the fork's history key before the trigger (the boundary state decided on), set by `aux_take`
     fork_s: float = 0.0  # what taking the fork cost the main turn
 
 

@@ -162,14 +162,18 @@ def test_zero3_with_aux_scope_is_refused():
 def test_first_message_row_is_the_fork_on_that_message_alone(tmp_path, tok, trace):
     """`--aux-context first`: a notes row cut to its first message equals the engine's adapter fork on a session that
     holds only that message (the whole template piece of the full conversation, positions renumbered), and the cut
-    changes the loss (the test can fail). Main rows pass unchanged; packed rows and foreign tokens are refused."""
+    changes the loss (the test can fail). Main and plan rows pass unchanged (the planner is served on the full fork);
+    packed rows and foreign tokens are refused."""
     b = hs.boundaries(trace, 2)[-1]
     ctx = hs.aux_context(trace, b, random.Random(0), mask_prob=0.5)
     cfg_h = HindsightConfig(every=2, max_tokens=10**6, plan=False, trigger="notes")
     row = _aux_at(trace, PieceTokenizer(tok), cfg_h, ctx)[0]
     main = {**row, "is_aux": False, "kind": "main", "fork_at": 0}
-    cut, kept = first_message_rows(Dataset.from_list([row, main]), tok)
-    assert kept == Dataset.from_list([main])[0]
+    plan = _aux_at(trace, PieceTokenizer(tok), HindsightConfig(every=2, max_tokens=10**6, plan=True, trigger="notes"),
+                   ctx)[1]
+    assert plan["kind"] == "plan" and plan["is_aux"]
+    cut, kept, plan_kept = first_message_rows(Dataset.from_list([row, main, plan]), tok)
+    assert kept == Dataset.from_list([main, plan])[0] and plan_kept == Dataset.from_list([main, plan])[1]
 
     first = message_token_ids(tok, ctx.messages)[0]  # piece 0 of the whole conversation's rendering
     f, n = row["fork_at"], len(first)

@@ -196,10 +196,11 @@ def check_fork_points(ds: Dataset) -> None:
 
 
 def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
-    """`--aux-context first`: every aux row's context cut to the conversation's first message (in synthesized
+    """`--aux-context first`: every deletion row's context cut to the conversation's first message (in synthesized
     traces the system prompt: the agent's role and tools; the task itself is the notes trigger's `Task:` line), with
     what the chat template puts before it; the trigger, opener and target follow it unchanged, `fork_at` moves to the
-    cut, positions renumber (as after pre-masking). Main rows are kept as they are.
+    cut, positions renumber (as after pre-masking). Main rows are kept as they are, and so are plan rows: predicting
+    future readers needs the session, and the served planner runs on the full fork.
 
     Why: with the notes trigger every label follows from the trigger's text alone
     (`test_property_the_notes_trigger_alone_decides_every_label`), and under `--adapter-scope aux` the context is
@@ -219,7 +220,7 @@ def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
     from kvsteward.synth.chat import message_token_ids
 
     def cut(row: dict, i: int) -> dict:
-        if not row["is_aux"]:
+        if not row["is_aux"] or row.get("kind") == "plan":  # the planner is served on the full fork: trained on it
             return row
         f = int(row["fork_at"])
         first = message_token_ids(tokenizer, json.loads(row["messages"])[:1])[0]
