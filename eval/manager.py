@@ -187,31 +187,45 @@ def summarize(t: Tally, ref: Tally) -> dict:
     return out
 
 
-def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
-             plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
-             close_bias: float = 0.0, keep_unread: bool = True) -> dict:
-    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
-    `close_bias`, `keep_unread`: the serving knobs of `AuxConfig` (nats toward closing the deletion list; never
-    delete a tool response not read yet), for both arms."""
+def play(engine: Engine, traces: list[Trace], every: int, arms: dict[str, tuple[bool, float]], plan: bool = False,
+         max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
+         keep_unread: bool = True) -> dict[str, Tally]:
+    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias). The tallies by
+    arm, plus `"uncompressed"`: the reference every arm is scored against (played once per trace, whatever the number
+    of arms)."""
     tok = engine.tokenizer
     tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
     for k, trace in enumerate(traces):
         replay(engine, trace, every, None, tallies["uncompressed"])
-        for arm in arms:
-            use = arm == "adapter"
+        for arm, (use, bias) in arms.items():
 
-            def decide(s, msgs, open_c, use=use):
-                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=close_bias,
+            def decide(s, msgs, open_c, use=use, bias=bias):
+                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
                                keep_unread=keep_unread)
 
             replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
         if progress:
             progress(f"trace {k + 1}/{len(traces)} ({trace.task_id}): " + ", ".join(
                 f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
+    return tallies
+
+
+def reference(ref: Tally) -> dict:
+    """The uncompressed replay's totals, as the result reports them."""
+    return {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
+            "peak_tokens": sum(ref.peak), "kv_reads": sum(ref.kv_reads)}
+
+
+def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
+             plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
+             close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True) -> dict:
+    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
+    `close_bias`, `keep_unread`: the serving knobs of `AuxConfig` (nats toward closing the deletion list; never
+    delete a tool response not read yet), for both arms; `close_bias` may also map each arm to its own."""
+    bias = close_bias if isinstance(close_bias, dict) else dict.fromkeys(arms, close_bias)
+    tallies = play(engine, traces, every, {arm: (arm == "adapter", bias[arm]) for arm in arms}, plan,
+                   max_aux_tokens, progress, keep_unread)
     ref = tallies["uncompressed"]
-    return {**{arm: summarize(tallies[arm], ref) for arm in arms},
-            "uncompressed": {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
-                             "peak_tokens": sum(ref.peak),
-                             "kv_reads": sum(ref.kv_reads)},
+    return {**{arm: summarize(tallies[arm], ref) for arm in arms}, "uncompressed": reference(ref),
             "n_traces": len(traces), "every": every, "close_bias": close_bias,
             "keep_unread": keep_unread, "aux_context": engine.aux_context}

@@ -114,15 +114,21 @@ ADAPTER_META = "kvsteward.json"  # beside adapter_config.json: how the manager w
 
 def adapter_meta(adapter: str | Path) -> dict:
     """What `steward train lora` recorded about an adapter: `{"trigger": ..., "adapter_scope": ...,
-    "aux_context": ...}`. An adapter without the file predates it and was trained on the `ids` trigger; one without
-    `aux_context` on the full context."""
+    "aux_context": ...}`, and `close_bias` once `steward eval calibrate` chose one. An adapter without the file
+    predates it and was trained on the `ids` trigger; one without `aux_context` on the full context; one without
+    `close_bias` is served at 0 (plain greedy)."""
     path = Path(adapter).expanduser() / ADAPTER_META
-    return {"trigger": "ids", "aux_context": "full", **(json.loads(path.read_text()) if path.is_file() else {})}
+    return {"trigger": "ids", "aux_context": "full", "close_bias": 0.0,
+            **(json.loads(path.read_text()) if path.is_file() else {})}
 
 
 def write_adapter_meta(adapter: str | Path, meta: dict) -> None:
-    """Record how an adapter (or a checkpoint of one) was trained: what `adapter_meta` reads back."""
-    (Path(adapter).expanduser() / ADAPTER_META).write_text(json.dumps(meta) + "\n")
+    """Record how an adapter (or a checkpoint of one) was trained, and how it is served: what `adapter_meta` reads
+    back. Atomic (a temporary file renamed over it): a crash leaves the old record or the new one, never half."""
+    path = Path(adapter).expanduser() / ADAPTER_META
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.replace(path)
 
 
 def load(model: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):

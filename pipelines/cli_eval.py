@@ -125,6 +125,31 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                          | {"mlflow_run_id": result.get("mlflow_run_id")}))
 
 
+def _check_aux_context(aux_context: str | None) -> None:
+    from kvsteward.synth.hindsight import check_aux_context
+
+    if aux_context is not None:
+        try:
+            check_aux_context(aux_context, "--aux-context")
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+
+
+def _traces(data: Path, traces: Path | None, split: str, limit: int) -> list:
+    """At most `limit` traces of `split`: from `traces`, or the folder the dataset card at `data` names."""
+    from kvsteward.synth.dataset import CARD_JSON
+    from kvsteward.synth.trace import read_traces
+
+    card = data / CARD_JSON
+    src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
+    if src is None:
+        raise typer.BadParameter(f"{data} has no {CARD_JSON} naming its traces: pass --traces")
+    trs = [t for t in read_traces(src) if t.split == split][:limit]
+    if not trs:
+        raise typer.BadParameter(f"no {split!r} traces in {src}")
+    return trs
+
+
 @app.command()
 def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
             adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: base model only)"),
@@ -133,8 +158,10 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
-            close_bias: float = typer.Option(0.0, help="nats added to closing the deletion list (serving's "
-                                                       "--aux-close-bias): > 0 deletes less, fewer harmful deletions"),
+            close_bias: float | None = typer.Option(None, help="nats added to closing the deletion list (serving's "
+                                                              "--aux-close-bias): > 0 deletes less, fewer harmful "
+                                                              "deletions; default: the adapter's calibrated bias "
+                                                              "(`steward eval calibrate`), 0 without one"),
             delete_unread: bool = typer.Option(False, "--delete-unread",
                                                help="let the manager delete tool responses not read yet (serving's "
                                                     "--aux-delete-unread; default: never)"),
@@ -147,28 +174,20 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     for the base model and the adapter as memory manager, on held-out traces."""
     from kvsteward.eval.manager import evaluate
     from kvsteward.serve.engine import Engine
-    from kvsteward.synth.dataset import CARD_JSON
-    from kvsteward.synth.hindsight import AUX_CONTEXTS
-    from kvsteward.synth.trace import read_traces
 
-    if not math.isfinite(close_bias):  # before the model loads
+    if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
-    if aux_context is not None and aux_context not in AUX_CONTEXTS:
-        raise typer.BadParameter(f"--aux-context must be one of {', '.join(AUX_CONTEXTS)}, got {aux_context!r}")
-    card = data / CARD_JSON
-    src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
-    if src is None:
-        raise typer.BadParameter(f"{data} has no {CARD_JSON} naming its traces: pass --traces")
-    trs = [t for t in read_traces(src) if t.split == split][:limit]
-    if not trs:
-        raise typer.BadParameter(f"no {split!r} traces in {src}")
+    _check_aux_context(aux_context)
+    trs = _traces(data, traces, split, limit)
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
     if aux_context is not None:
         engine.aux_context = aux_context
     arms = ("base", "adapter") if adapter else ("base",)
-    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=close_bias,
-                      keep_unread=not delete_unread)
+    # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
+    bias = dict.fromkeys(arms, close_bias) if close_bias is not None else {"base": 0.0, "adapter": engine.close_bias}
+    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log,
+                      close_bias={arm: bias[arm] for arm in arms}, keep_unread=not delete_unread)
     if mlflow_log:
         import mlflow
 
@@ -176,10 +195,84 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
-                               "every": every, "traces": len(trs), "close_bias": close_bias,
+                               "every": every, "traces": len(trs),
+                               **{f"{arm}.close_bias": bias[arm] for arm in arms},
                                "keep_unread": not delete_unread, "aux_context": engine.aux_context})
             mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
                                 if isinstance(v, (int, float)) and v == v})
             mlflow.log_dict(result, "manager_eval.json")
         result["mlflow_run_id"] = run.info.run_id
     print(json.dumps(result)) if as_json else console.print_json(json.dumps(result))
+
+
+@app.command()
+def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
+              adapter: Path = typer.Option(..., help="LoRA adapter folder: its kvsteward.json receives the choice"),
+              data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces)"),
+              traces: Path | None = typer.Option(None, help="traces folder (default: the dataset card's source)"),
+              split: str = typer.Option("validation", help="the held-out split to choose on (not the test split "
+                                                           "you report)"),
+              every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
+              limit: int = typer.Option(40, help="at most this many traces"),
+              biases: str = typer.Option("0,0.5,1,2", help="comma-separated close biases to try (nats)"),
+              max_harm: float = typer.Option(0.02, help="target: harmful deletions / deletions at most this"),
+              min_f1: float = typer.Option(0.8, help="target: deletion F1 at least this"),
+              delete_unread: bool = typer.Option(False, "--delete-unread",
+                                                 help="let the manager delete tool responses not read yet (serving's "
+                                                      "--aux-delete-unread; default: never)"),
+              aux_context: str | None = typer.Option(None, help="what the aux trigger follows: full or first; "
+                                                          "default: as the adapter was trained"),
+              write: bool = typer.Option(True, "--write/--no-write", help="record the chosen bias in the adapter's "
+                                                                        "kvsteward.json (the serving default)"),
+              mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the sweep to MLflow"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Choose the aux close bias on held-out traces: the adapter as memory manager at every bias (all against one
+    uncompressed replay per trace); the highest F1 with harmful rate <= --max-harm and F1 >= --min-f1 (else the
+    lowest harmful rate, reported as not met); recorded in the adapter for `steward serve` and `steward eval
+    manager`."""
+    from kvsteward.eval.calibrate import check_biases, choose, record, sweep
+    from kvsteward.models import ModelNotFound, check_adapter
+    from kvsteward.serve.engine import Engine
+
+    try:  # everything before the model loads
+        bias_list = check_biases([float(x) for x in biases.split(",") if x.strip()])
+    except ValueError as e:
+        raise typer.BadParameter(f"--biases must be comma-separated finite numbers of nats, got {biases!r} "
+                                 f"({e})") from e
+    try:
+        check_adapter(str(adapter))
+    except ModelNotFound as e:
+        raise typer.BadParameter(str(e)) from e
+    if not (0.0 <= max_harm <= 1.0 and 0.0 <= min_f1 <= 1.0):
+        raise typer.BadParameter(f"--max-harm and --min-f1 are rates in [0, 1], got {max_harm} and {min_f1}")
+    _check_aux_context(aux_context)
+    trs = _traces(data, traces, split, limit)
+    if split == "test":
+        console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice, "
+                      "not the manager (use --split validation)")
+    with console.status(f"loading {model} ..."):
+        engine = Engine.load(model, adapter=str(adapter))
+    if aux_context is not None:
+        engine.aux_context = aux_context
+    result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log)
+    choice = choose(result["by_bias"], max_harm, min_f1)
+    out = {"close_bias": choice.close_bias, "met": choice.met, "reason": choice.reason, "adapter_dir": str(adapter),
+           "split": split, **result, "by_bias": {str(b): s for b, s in result["by_bias"].items()}, "written": write}
+    if write:
+        record(adapter, choice, result, split, max_harm, min_f1)
+    if mlflow_log:
+        import mlflow
+
+        from kvsteward.runs import stage_run
+
+        with stage_run("manager-calibrate") as run:
+            mlflow.log_params({"model": model, "adapter": str(adapter), "data": str(data), "split": split,
+                               "every": every, "traces": len(trs), "biases": ",".join(f"{b:g}" for b in bias_list),
+                               "max_harm": max_harm, "min_f1": min_f1, "keep_unread": not delete_unread,
+                               "aux_context": engine.aux_context, "chosen_close_bias": choice.close_bias,
+                               "met": choice.met})
+            mlflow.log_metrics({f"bias_{b:g}.{k}": float(v) for b, s in result["by_bias"].items()
+                                for k, v in s.items() if isinstance(v, (int, float)) and v == v})
+            mlflow.log_dict(out, "manager_calibrate.json")
+        out["mlflow_run_id"] = run.info.run_id
+    print(json.dumps(out)) if as_json else console.print_json(json.dumps(out))

@@ -41,8 +41,10 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           aux_max_wait: float = typer.Option(None, help="starvation bound (s): an aux step that waited this long "
                                                         "for main work runs between two main forwards (default: "
                                                         "the aux runs only in idle time)"),
-          aux_close_bias: float = typer.Option(0.0, help="nats added to closing the aux deletion list: > 0 deletes "
-                                                         "less and more surely (fewer harmful deletions)"),
+          aux_close_bias: float = typer.Option(None, help="nats added to closing the aux deletion list: > 0 deletes "
+                                                          "less and more surely (fewer harmful deletions); default: "
+                                                          "the adapter's calibrated bias (`steward eval calibrate`), "
+                                                          "0 without one"),
           aux_delete_unread: bool = typer.Option(False, "--aux-delete-unread",
                                                  help="let the aux delete tool responses the agent has not read yet "
                                                       "(default: never; the step after a boundary reads them)"),
@@ -66,7 +68,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     from kvsteward.serve.completions import ServeLimits
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.ops import OpsError, SessionSpec, session_spec
-    from kvsteward.synth.hindsight import AUX_CONTEXTS
+    from kvsteward.synth.hindsight import check_aux_context
 
     if adapter is not None and aux_base:
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
@@ -82,15 +84,18 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
             raise typer.BadParameter(f"{flag} needs a manager: --adapter DIR (or --aux-base for the base model)")
     if aux_context is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-context needs a manager: --adapter DIR (or --aux-base for the base model)")
-    if aux_context is not None and aux_context not in AUX_CONTEXTS:
-        raise typer.BadParameter(f"--aux-context must be one of {', '.join(AUX_CONTEXTS)}, got {aux_context!r}")
+    if aux_context is not None:
+        try:
+            check_aux_context(aux_context, "--aux-context")
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
     if adapter is not None or aux_base:
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
-                        max_wait=aux_max_wait, close_bias=aux_close_bias,
+                        max_wait=aux_max_wait, close_bias=0.0 if aux_close_bias is None else aux_close_bias,
                         keep_unread=not aux_delete_unread)
         try:
             aux.validate()
@@ -100,6 +105,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         engine = Engine.load(model, dtype=getattr(torch, dtype), adapter=None if adapter is None else str(adapter))
     if aux_context is not None:
         engine.aux_context = aux_context
+    if aux is not None and aux_close_bias is None:
+        aux.close_bias = engine.close_bias  # as calibrated for this adapter (0 for none)
     try:
         defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
     except OpsError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -13,7 +14,8 @@ from kvsteward.serve.spill import SpillStore, host_store
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full"):
+    def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
+                 close_bias: float = 0.0):
         from kvsteward.kernels.rope import rope_spec
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
@@ -22,6 +24,11 @@ class Engine:
         # message): the layout the adapter was trained on (`adapter_meta`).
         self.trigger_style = check_trigger_style(trigger_style)
         self.aux_context = check_aux_context(aux_context)
+        # The close bias chosen for this adapter on validation traces (`steward eval calibrate`): the aux thread's
+        # default (`AuxConfig.close_bias`, `steward eval manager --close-bias` override it).
+        if isinstance(close_bias, bool) or not isinstance(close_bias, (int, float)) or not math.isfinite(close_bias):
+            raise ValueError(f"aux close_bias must be a finite number of nats, got {close_bias}")
+        self.close_bias = float(close_bias)
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.tokenizer = tokenizer
         cfg = model.config
@@ -73,7 +80,8 @@ class Engine:
         from peft import PeftModel
 
         meta = models.adapter_meta(adapter)
-        return cls(PeftModel.from_pretrained(m, adapter), tok, meta["trigger"], meta["aux_context"])
+        return cls(PeftModel.from_pretrained(m, adapter), tok, meta["trigger"], meta["aux_context"],
+                   meta["close_bias"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:

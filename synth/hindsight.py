@@ -43,9 +43,10 @@ def check_trigger_style(style: str) -> str:
 AUX_CONTEXTS = ("full", "first")
 
 
-def check_aux_context(context: str) -> str:
+def check_aux_context(context: str, what: str = "aux context") -> str:
+    """`context` if known; else a ValueError naming `what` (a CLI passes its flag)."""
     if context not in AUX_CONTEXTS:
-        raise ValueError(f"aux context must be one of {', '.join(AUX_CONTEXTS)}, got {context!r}")
+        raise ValueError(f"{what} must be one of {', '.join(AUX_CONTEXTS)}, got {context!r}")
     return context
 
 

@@ -1,0 +1,175 @@
+"""Choosing the aux close bias on held-out traces (`steward eval calibrate`): the rule on hand-worked sweeps, the sweep
+against `evaluate` run bias by bias, the record in the adapter, and the default it becomes for eval and serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvsteward.eval.calibrate import check_biases, choose, record, sweep
+from kvsteward.eval.manager import evaluate
+from kvsteward.models import ADAPTER_META, load_tokenizer, tiny_model
+from kvsteward.serve.engine import Engine
+from kvsteward.synth.generate import generate_traces
+
+torch.set_num_threads(1)
+
+
+def _s(f1: float, deleted: int, harmful: int) -> dict:
+    return {"f1": f1, "deleted": deleted, "harmful": harmful,
+            "harmful_rate": harmful / deleted if deleted else float("nan")}
+
+
+def test_choose_the_highest_f1_that_meets_the_harm_target():
+    by = {0.0: _s(0.90, 100, 10), 1.0: _s(0.88, 80, 1), 2.0: _s(0.70, 40, 0)}
+    c = choose(by, max_harm=0.02, min_f1=0.8)
+    assert (c.close_bias, c.met) == (1.0, True)  # 0 harms 10 %, 2 loses F1
+    # two meet both: the higher F1; on a tie, the lower bias (it deletes more)
+    by[0.5] = _s(0.89, 90, 1)
+    assert choose(by, 0.02, 0.8).close_bias == 0.5
+    by[0.25] = _s(0.89, 95, 1)
+    assert choose(by, 0.02, 0.8).close_bias == 0.25
+
+
+def test_choose_the_lowest_harm_when_the_target_is_not_met():
+    by = {0.0: _s(0.90, 100, 10), 1.0: _s(0.85, 80, 4), 2.0: _s(0.50, 40, 0)}
+    c = choose(by, max_harm=0.02, min_f1=0.8)
+    assert (c.close_bias, c.met) == (1.0, False) and "no bias has harmful rate <= 0.02" in c.reason
+    # no bias keeps F1: the lowest harm of all, said so
+    c = choose(by, max_harm=0.02, min_f1=0.95)
+    assert (c.close_bias, c.met) == (2.0, False) and "no bias keeps F1 >= 0.95" in c.reason
+    # deleting nothing harms nothing (0 / 0 is no harm, not NaN) but has F1 0: chosen only when F1 is not asked for
+    by = {0.0: _s(0.9, 50, 5), 9.0: _s(0.0, 0, 0)}
+    assert choose(by, 0.02, 0.8).close_bias == 0.0 and choose(by, 0.02, 0.0).close_bias == 9.0
+    with pytest.raises(ValueError, match="no bias was measured"):
+        choose({}, 0.02, 0.8)
+
+
+def test_biases_are_refused_by_name():
+    assert check_biases([2.0, 0.0, 2.0]) == [0.0, 2.0]
+    with pytest.raises(ValueError, match="at least one"):
+        check_biases([])
+    with pytest.raises(ValueError, match="finite"):
+        check_biases([0.0, float("inf")])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = load_tokenizer("smollm2")
+    engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)
+    traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
+    assert traces
+    return engine, traces
+
+
+def test_sweep_scores_each_bias_as_evaluate_does(setup):
+    """One uncompressed replay shared by every bias changes nothing: each bias's summary equals `evaluate` run on
+    that bias alone, and the reference equals its reference. The biases reach the decoder (huge against closing:
+    every read cursor deleted; huge toward it: none)."""
+    engine, traces = setup
+    biases = [-1e4, 0.0, 1e4]
+    out = sweep(engine, traces, biases, every=2)
+    assert sorted(out["by_bias"]) == biases and out["n_traces"] == len(traces)
+    for b in biases:
+        alone = evaluate(engine, traces, every=2, arms=("adapter",), close_bias=b)
+        assert json.dumps(out["by_bias"][b], sort_keys=True) == json.dumps(alone["adapter"], sort_keys=True)
+        assert out["uncompressed"] == alone["uncompressed"]
+    assert out["by_bias"][-1e4]["recall"] == 1.0 and out["by_bias"][1e4]["deleted"] == 0
+
+
+@pytest.fixture
+def adapter_dir(tiny_folder, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    get_peft_model(base, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_META).write_text('{"trigger": "notes", "adapter_scope": "aux"}')
+    return tmp_path / "a"
+
+
+def test_the_record_keeps_the_training_record_and_the_engine_serves_it(tiny_folder, adapter_dir):
+    assert Engine.load(str(tiny_folder), adapter=str(adapter_dir)).close_bias == 0.0  # not calibrated: greedy
+    by = {0.0: _s(0.9, 50, 5) | {"precision": 0.9, "recall": 0.9, "answer_acc_delta": 0.0},
+          1.5: _s(0.85, 40, 0) | {"precision": 1.0, "recall": 0.74, "answer_acc_delta": 0.0}}
+    result = {"by_bias": by, "n_traces": 7, "every": 2, "aux_context": "full", "keep_unread": True}
+    meta = record(adapter_dir, choose(by, 0.02, 0.8), result, "validation", 0.02, 0.8)
+    on_disk = json.loads((adapter_dir / ADAPTER_META).read_text())
+    assert on_disk == meta and on_disk["trigger"] == "notes" and on_disk["adapter_scope"] == "aux"
+    assert on_disk["close_bias"] == 1.5 and on_disk["calibration"]["met"] is True
+    assert on_disk["calibration"]["by_bias"]["1.5"]["harmful_rate"] == 0.0
+    assert on_disk["calibration"]["split"] == "validation" and on_disk["calibration"]["traces"] == 7
+    engine = Engine.load(str(tiny_folder), adapter=str(adapter_dir))
+    assert engine.close_bias == 1.5 and engine.trigger_style == "notes"
+    (adapter_dir / ADAPTER_META).write_text('{"trigger": "notes", "close_bias": "high"}')
+    with pytest.raises(ValueError, match="aux close_bias must be a finite number of nats, got high"):
+        Engine.load(str(tiny_folder), adapter=str(adapter_dir))
+
+
+def _traces_dir(tmp_path):
+    from kvsteward.synth.trace import write_traces
+
+    traces = [t for t in generate_traces(20, seed=5)]
+    assert any(t.split == "validation" and len(t.cursors()) >= 4 for t in traces)
+    keep = [t for t in traces if t.split == "validation" and len(t.cursors()) >= 4][:1]
+    write_traces(tmp_path / "traces", keep, {"seed": 5})
+    return tmp_path / "traces"
+
+
+def _cli(args):
+    from kvsteward.pipelines.cli import app
+
+    return CliRunner().invoke(app, args)
+
+
+def test_calibrate_cli_records_the_choice_and_eval_and_serve_use_it(tiny_folder, adapter_dir, tmp_path,
+                                                                    monkeypatch):
+    """End to end on a tiny model: the sweep chooses (a huge bias against closing deletes, so it has the higher F1),
+    writes it into kvsteward.json; `steward eval manager` then runs the adapter arm at that bias (the base arm at 0)
+    and `steward serve` gives it to the aux thread; an explicit flag still wins."""
+    traces = _traces_dir(tmp_path)
+    common = ["--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path), "--traces",
+              str(traces), "--split", "validation", "--every", "2", "--limit", "1", "--no-mlflow", "--json"]
+    res = _cli(["eval", "calibrate", *common, "--biases", "1e4,-1e4", "--max-harm", "1", "--min-f1", "0"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["close_bias"] == -1e4 and out["met"] is True and out["written"] is True
+    assert out["by_bias"]["-10000.0"]["deleted"] > 0 and out["by_bias"]["10000.0"]["deleted"] == 0
+    meta = json.loads((adapter_dir / ADAPTER_META).read_text())
+    assert meta["close_bias"] == -1e4 and meta["trigger"] == "notes" and meta["calibration"]["traces"] == 1
+
+    res = _cli(["eval", "manager", *common])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ev["close_bias"] == {"base": 0.0, "adapter": -1e4}
+    assert ev["adapter"]["deleted"] == out["by_bias"]["-10000.0"]["deleted"]
+    res = _cli(["eval", "manager", *common, "--close-bias", "1e4"])
+    assert json.loads(res.stdout.strip().splitlines()[-1])["adapter"]["deleted"] == 0
+
+    import uvicorn
+
+    import kvsteward.serve.api as api
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # the app is not served: only its config is read
+    monkeypatch.setattr(api, "create_app", lambda engine, config: seen.update(aux=config.aux))
+    serve = ["serve", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data-dir", str(tmp_path / "d")]
+    assert _cli(serve).exit_code == 0 and seen.pop("aux").close_bias == -1e4
+    assert _cli([*serve, "--aux-close-bias", "0.5"]).exit_code == 0 and seen.pop("aux").close_bias == 0.5
+
+
+def test_calibrate_cli_refuses_bad_input_before_loading_anything(tmp_path, adapter_dir):
+    base = ["eval", "calibrate", "--data", str(tmp_path), "--no-mlflow"]
+    res = _cli([*base, "--adapter", str(adapter_dir), "--biases", "0,high"])
+    assert res.exit_code == 2 and "--biases must be comma-separated finite numbers" in res.output
+    res = _cli([*base, "--adapter", str(adapter_dir), "--biases", "0,nan"])
+    assert res.exit_code == 2 and "--biases must be" in res.output
+    res = _cli([*base, "--adapter", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "adapter_config.json" in res.output
+    res = _cli([*base, "--adapter", str(adapter_dir), "--max-harm", "2"])
+    assert res.exit_code == 2 and "--max-harm and --min-f1 are rates" in res.output
+    res = _cli([*base, "--adapter", str(adapter_dir), "--aux-context", "task"])
+    assert res.exit_code == 2 and "--aux-context must be one of full, first" in res.output
