@@ -28,7 +28,8 @@ def fork_request(messages: list[list[int]], cache: dict | None, trigger: list[in
     """`/generate` body for the aux thread: the main history up to the boundary (message token ids ending with the
     tool response; the main's prompt, which the tree holds as a prefix of its cached path) plus the trigger (the
     trigger message and the assistant opener, as token ids). `close_bias` is the engine's `AuxConfig.close_bias`, as
-    SGLang's `logit_bias` on `closing_tokens` (`kvsteward.serve.aux.closing_tokens(tokenizer)`)."""
+    SGLang's `logit_bias` on `closing_tokens` (`kvsteward.serve.aux.closing_tokens(tokenizer)`); for an adapter
+    calibrated by `steward eval calibrate`, `kvsteward.models.adapter_meta(adapter)["close_bias"]`."""
     if close_bias and not closing_tokens:
         raise ValueError("close_bias needs the closing token ids (kvsteward.serve.aux.closing_tokens(tokenizer))")
     body = request_fields([*messages, list(trigger)], cache, via=via)
