@@ -252,11 +252,30 @@ def first_message_session(fork: Session, tokenizer, messages: list[dict]) -> Ses
     the conversation, positions from 0), prefilled by the base model as the main thread computed it; the adapter
     setting of `fork` applies to what is appended next. Exactly the context of a `train.data.first_message_rows` row.
     Why not cut the fork: a shared fork cannot drop the main session's rows, and a copy would cost the whole
-    session; this costs the first message's prefill, whatever the session's length."""
-    head = fork.engine.session("full", chunk=fork.config.chunk)
-    head.append(message_token_ids(tokenizer, messages[:1])[0], kind=messages[0].get("role", "system"))
-    head.config.use_adapter = fork.config.use_adapter
-    return head
+    session; this costs the first message, whatever the session's length.
+
+    The prefilled first message (the head) is kept on the engine (`Engine.aux_heads`, least recently used first out,
+    at most `Engine.aux_head_tokens` tokens in all; a session's system prompt is the same at every decision, and
+    often across sessions), so a decision copies its rows instead of running its forward. A copy, not a shared fork:
+    the trigger's logits are then bit for bit those of a fresh prefill (a shared fork sums attention over two
+    segments). Only the aux thread touches the cache (one worker thread per engine)."""
+    engine = fork.engine
+    role = messages[0].get("role", "system")
+    ids = tuple(message_token_ids(tokenizer, messages[:1])[0])
+    key = (role, ids, fork.config.chunk)  # the chunking shapes the prefill's float rounding
+    heads = engine.aux_heads
+    head = heads.get(key)
+    if head is None:
+        head = engine.session("full", chunk=fork.config.chunk)
+        head.append(list(ids), kind=role)
+        heads[key] = head
+        while heads and sum(len(k[1]) for k in heads) > engine.aux_head_tokens:
+            heads.popitem(last=False)  # (a head longer than the whole cap is not kept: it is used once below)
+    else:
+        heads.move_to_end(key)
+    out = head.fork()  # a copy of the head's rows: the head itself is never appended to
+    out.config.use_adapter = fork.config.use_adapter
+    return out
 
 
 def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,

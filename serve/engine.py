@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from contextlib import nullcontext
 
 import torch
@@ -29,6 +30,10 @@ class Engine:
         if isinstance(close_bias, bool) or not isinstance(close_bias, (int, float)) or not math.isfinite(close_bias):
             raise ValueError(f"aux close_bias must be a finite number of nats, got {close_bias}")
         self.close_bias = float(close_bias)
+        # The aux thread's prefilled first messages (`serve.aux.first_message_session`), by (role, token ids, chunk):
+        # kept across decisions and sessions, least recently used out beyond `aux_head_tokens` tokens in all.
+        self.aux_heads: OrderedDict[tuple, Session] = OrderedDict()
+        self.aux_head_tokens = 8192
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         self.tokenizer = tokenizer
         cfg = model.config

@@ -298,3 +298,58 @@ def test_aux_context_first_serves_the_cut_training_row(tok, monkeypatch):
     next(aux_mod.aux_steps(fork, tok, trace.messages[:b], ctx.open_cursors))
     assert not torch.allclose(served_logits, fork.last_logits)
     assert main.history_key() == key
+
+
+def test_the_first_message_is_prefilled_once_and_served_bit_for_bit(tok, monkeypatch):
+    """`first_message_session` keeps the prefilled first message on the engine: a second decision (another fork, the
+    same system prompt) runs no new session's prefill, and its trigger logits are bit for bit those of the first
+    decision and of a cold cache. The kept head is never appended to; the cache holds at most `aux_head_tokens`
+    tokens, least recently used out (a head longer than the cap is used and not kept)."""
+    from peft import LoraConfig, get_peft_model
+
+    from kvsteward.serve import aux as aux_mod
+    from kvsteward.synth.chat import message_token_ids
+    from kvsteward.synth.generate import generate_traces
+
+    base = tiny_model("llama", vocab=len(tok), seed=6)
+    engine = Engine(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                    init_lora_weights=False)), tok, "notes", "first")
+    trace = next(t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4)
+    msgs = trace.messages[:6]
+    opened = [c for c in trace.cursors() if c < 6]
+    main = engine.session("full")
+    for m, ids in zip(msgs, message_token_ids(tok, msgs), strict=True):
+        main.append(ids, kind=m["role"])
+    built = []
+    real_session = engine.session
+    monkeypatch.setattr(engine, "session", lambda *a, **k: built.append(1) or real_session(*a, **k))
+
+    def trigger_logits(messages):
+        fork = main.fork(shared=True)
+        fork.config.use_adapter = True
+        heads = []
+        real = aux_mod.first_message_session
+        monkeypatch.setattr(aux_mod, "first_message_session", lambda *a: heads.append(real(*a)) or heads[-1])
+        steps = aux_mod.aux_steps(fork, tok, messages, opened, keep_unread=False)
+        next(steps), next(steps)  # the head, then the trigger's prefill
+        monkeypatch.setattr(aux_mod, "first_message_session", real)
+        return heads[0].last_logits.clone()
+
+    cold = trigger_logits(msgs)
+    assert len(built) == 1 and len(engine.aux_heads) == 1
+    warm = trigger_logits(msgs)
+    assert len(built) == 1  # no new prefill: the head's rows were copied
+    assert torch.equal(cold, warm)
+    (head,) = engine.aux_heads.values()
+    first = message_token_ids(tok, msgs[:1])[0]
+    assert head.tokens == first  # the trigger went into the copies only
+    engine.aux_heads.clear()
+    assert torch.equal(trigger_logits(msgs), cold) and len(built) == 2
+
+    other = [{**msgs[0], "content": msgs[0]["content"] + " Be brief."}, *msgs[1:]]
+    longer = message_token_ids(tok, other[:1])[0]
+    engine.aux_head_tokens = len(longer) + 2  # room for one head of the two
+    assert not torch.equal(trigger_logits(other), cold)
+    assert [k[1] for k in engine.aux_heads] == [tuple(longer)]  # the older head went out
+    engine.aux_head_tokens = 1
+    assert torch.equal(trigger_logits(msgs), cold) and not engine.aux_heads
