@@ -92,7 +92,8 @@ def record(adapter: str | Path, choice: Choice, result: dict, split: str, max_ha
                            "aux_context": result["aux_context"], "keep_unread": result["keep_unread"],
                            "max_harm": max_harm, "min_f1": min_f1, "met": choice.met, "reason": choice.reason,
                            "by_bias": {str(b): {"harmful_rate": _harm(s)} | {k: s[k] for k in (
-                               "f1", "precision", "recall", "deleted", "harmful", "answer_acc_delta")}
+                               "f1", "precision", "recall", "deleted", "harmful", "harmful_rate_ci95",
+                               "answer_acc_delta") if k in s}
                                        for b, s in result["by_bias"].items()}}
     write_adapter_meta(adapter, meta)
     return meta

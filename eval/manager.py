@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvsteward.eval.scoring import appended_gold_nll, mean, text_prefix_match
+from kvsteward.eval.scoring import appended_gold_nll, mean, text_prefix_match, wilson_interval
 from kvsteward.serve.aux import AuxDecision, run_aux
 from kvsteward.serve.engine import Engine
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
@@ -173,6 +173,8 @@ def summarize(t: Tally, ref: Tally) -> dict:
     p, r = _ratio(t.tp, t.tp + t.fp), _ratio(t.tp, t.tp + t.fn)
     f1 = 2 * p * r / (p + r) if p + r > 0 else 0.0
     out = {"f1": f1, "precision": p, "recall": r, "harmful_rate": _ratio(t.harmful, t.deleted),
+           # how far the rate could be from the truth on this many deletions (95 %): a few traces mislead
+           "harmful_rate_ci95": list(wilson_interval(t.harmful, t.deleted)),
            "parse_fail_rate": _ratio(t.parse_fail, t.calls),
            "peak_tokens_reduction": 1 - sum(t.peak) / sum(ref.peak),
            "kv_reads_reduction": 1 - sum(t.kv_reads) / sum(ref.kv_reads),

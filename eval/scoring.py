@@ -234,6 +234,19 @@ def sign_test(better: int, worse: int) -> float:
     return min(1.0, 2 * tail / 2 ** n)
 
 
+def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """95 % Wilson score interval of a rate k / n (z = the normal quantile). Not the normal approximation: a rate of
+    a few percent on ~100 deletions (the harmful rate) would get a negative lower bound from it. (0, 1) for n = 0."""
+    if not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p, z2 = k / n, z * z
+    mid = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
 def paired_compare(arm_scores: Sequence[float] | Mapping, ref_scores: Sequence[float] | Mapping) -> dict:
     """Per-item better/worse/tied of an arm against the reference arm, and the sign-test p-value.
 

@@ -19,6 +19,7 @@ from kvsteward.eval.scoring import (
     run_code_probe,
     sign_test,
     text_prefix_match,
+    wilson_interval,
 )
 
 TESTS = '''
@@ -136,6 +137,20 @@ def test_sign_test_matches_scipy():
             if better + worse:
                 want = binomtest(better, better + worse, 0.5).pvalue
                 assert sign_test(better, worse) == pytest.approx(want, rel=1e-9)
+
+
+def test_wilson_interval_hand_computed_and_matches_scipy():
+    from scipy.stats import binomtest
+
+    z2 = 1.959963984540054 ** 2
+    assert wilson_interval(0, 10) == pytest.approx((0.0, z2 / (10 + z2)), rel=1e-12)  # closed form at k = 0
+    assert wilson_interval(4, 4) == pytest.approx((4 / (4 + z2), 1.0), rel=1e-12)  # and at k = n
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    for k, n in [(6, 176), (31, 192), (1, 3), (50, 100)]:
+        ci = binomtest(k, n).proportion_ci(method="wilson")
+        assert wilson_interval(k, n) == pytest.approx((ci.low, ci.high), rel=1e-9)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson_interval(5, 4)
 
 
 def test_paired_compare():
