@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Valkey (or Redis) server for the tier tests, SmolLM2's tokenizer, a tiny model folder."""
+"""Shared fixtures: a real Valkey (or Redis) server for the tier tests, SmolLM2's tokenizer, a tiny model folder,
+the manager evaluation's tiny engine and traces."""
 
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ def tiny_folder(tmp_path_factory):
     tiny_model("llama", seed=3, vocab=len(tok)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def manager_setup():
+    """A tiny random Llama engine (SmolLM2's tokenizer) and two generated traces with at least 4 cursors each: the
+    manager evaluation's hand-checkable setting."""
+    from kvsteward.models import load_tokenizer, tiny_model
+    from kvsteward.serve.engine import Engine
+    from kvsteward.synth.generate import generate_traces
+
+    tok = load_tokenizer("smollm2")
+    engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)
+    traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
+    assert traces
+    return engine, traces

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kvsteward.eval.calibrate import check_biases, choose, record, sweep
 from kvsteward.eval.manager import evaluate
-from kvsteward.models import ADAPTER_META, load_tokenizer, tiny_model
+from kvsteward.models import ADAPTER_META
 from kvsteward.serve.engine import Engine
 from kvsteward.synth.generate import generate_traces
 
@@ -56,20 +56,11 @@ def test_biases_are_refused_by_name():
         check_biases([0.0, float("inf")])
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = load_tokenizer("smollm2")
-    engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)
-    traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
-    assert traces
-    return engine, traces
-
-
-def test_sweep_scores_each_bias_as_evaluate_does(setup):
+def test_sweep_scores_each_bias_as_evaluate_does(manager_setup):
     """One uncompressed replay shared by every bias changes nothing: each bias's summary equals `evaluate` run on
     that bias alone, and the reference equals its reference. The biases reach the decoder (huge against closing:
     every read cursor deleted; huge toward it: none)."""
-    engine, traces = setup
+    engine, traces = manager_setup
     biases = [-1e4, 0.0, 1e4]
     out = sweep(engine, traces, biases, every=2)
     assert sorted(out["by_bias"]) == biases and out["n_traces"] == len(traces)

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from kvsteward.eval.manager import Tally, answer_prefix, harm_kind, replay, summarize
-from kvsteward.models import load_tokenizer, tiny_model
 from kvsteward.serve.aux import AuxDecision
-from kvsteward.serve.engine import Engine
-from kvsteward.synth.generate import generate_traces
 from kvsteward.synth.hindsight import expired
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def setup():
-    tok = load_tokenizer("smollm2")
-    engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)
-    traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
-    assert traces
-    return engine, traces
 
 
 def _run(engine, traces, decide):
@@ -31,8 +18,8 @@ def _run(engine, traces, decide):
     return t
 
 
-def test_oracle_decider_scores_perfectly_and_reduces_memory(setup):
-    engine, traces = setup
+def test_oracle_decider_scores_perfectly_and_reduces_memory(manager_setup):
+    engine, traces = manager_setup
     ref = _run(engine, traces, lambda tr: None)
 
     def oracle(tr):
@@ -50,8 +37,8 @@ def test_oracle_decider_scores_perfectly_and_reduces_memory(setup):
     assert out["peak_tokens_reduction"] > 0 and out["kv_reads_reduction"] > 0
 
 
-def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
-    engine, traces = setup
+def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(manager_setup):
+    engine, traces = manager_setup
     ref = _run(engine, traces, lambda tr: None)
     greedy = _run(engine, traces, lambda tr: lambda s, msgs, open_c: AuxDecision(list(open_c), "", 0))
     out = summarize(greedy, ref)
@@ -65,8 +52,8 @@ def test_delete_everything_is_harmful_and_never_deleting_changes_nothing(setup):
     assert out["answer_nll"] == out["answer_nll"]  # a number, not NaN
 
 
-def test_answer_prefix_stops_where_the_value_must_be_recalled(setup):
-    engine, traces = setup
+def test_answer_prefix_stops_where_the_value_must_be_recalled(manager_setup):
+    engine, traces = manager_setup
     tok = engine.tokenizer
     for tr in traces:
         final = tr.messages[-1]["content"]
@@ -79,22 +66,22 @@ def test_answer_prefix_stops_where_the_value_must_be_recalled(setup):
     assert answer_prefix("no value here", "X1") == ("Final answer:", " X1")
 
 
-def test_close_bias_reaches_the_decoder_through_evaluate(setup):
+def test_close_bias_reaches_the_decoder_through_evaluate(manager_setup):
     """`evaluate(close_bias=...)` drives the real constrained decoder: a huge bias toward closing the list deletes
     nothing, a huge bias against it deletes every open cursor (recall 1)."""
     from kvsteward.eval.manager import evaluate
 
-    engine, traces = setup
+    engine, traces = manager_setup
     keep = evaluate(engine, traces, every=2, arms=("base",), close_bias=1e4)
     assert keep["base"]["deleted"] == 0 and keep["close_bias"] == 1e4
     purge = evaluate(engine, traces, every=2, arms=("base",), close_bias=-1e4)
     assert purge["base"]["recall"] == 1.0 and purge["base"]["deleted"] > 0
 
 
-def test_harm_kind_names_the_next_reader(setup):
+def test_harm_kind_names_the_next_reader(manager_setup):
     """Hand-checked against the trace's provenance: the newest cursor at a boundary is read by the step right there,
     and a cursor read only by the final answer is a final-answer harm."""
-    _, traces = setup
+    _, traces = manager_setup
     seen = set()
     for tr in traces:
         readers = tr.readers()
@@ -123,14 +110,14 @@ def test_cli_refuses_a_non_finite_close_bias_before_loading_anything(tmp_path):
     assert res.exit_code == 2 and "--close-bias must be a finite number" in res.output
 
 
-def test_aux_context_reaches_the_decoder_through_evaluate(setup, monkeypatch):
+def test_aux_context_reaches_the_decoder_through_evaluate(manager_setup, monkeypatch):
     """`Engine.aux_context` (an adapter's recorded context, or `--aux-context`) is what `evaluate` serves: with
     `first` every aux call that decodes runs on a first-message session, with `full` none does; the result says
     which."""
     from kvsteward.eval.manager import evaluate
     from kvsteward.serve import aux as aux_mod
 
-    engine, traces = setup
+    engine, traces = manager_setup
     calls: list[int] = []
     real = aux_mod.first_message_session
     monkeypatch.setattr(aux_mod, "first_message_session", lambda f, t, m: calls.append(len(m)) or real(f, t, m))
