@@ -252,6 +252,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                       "not the manager (use --split validation)")
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter))
+    recorded_context = engine.aux_context
     if aux_context is not None:
         engine.aux_context = aux_context
     result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log)
@@ -260,6 +261,10 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
            "split": split, **result, "by_bias": {str(b): s for b, s in result["by_bias"].items()}, "written": write}
     if write:
         record(adapter, choice, result, split, max_harm, min_f1)
+        if engine.aux_context != recorded_context:
+            console.print(f"[yellow]warning:[/yellow] the bias was chosen with --aux-context {engine.aux_context}, "
+                          f"but the adapter records {recorded_context}: serve it with --aux-context "
+                          f"{engine.aux_context} (the calibration record names the context)")
     if mlflow_log:
         import mlflow
 
