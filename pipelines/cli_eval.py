@@ -135,6 +135,12 @@ def _check_aux_context(aux_context: str | None) -> None:
             raise typer.BadParameter(str(e)) from e
 
 
+def _numeric_metrics(groups: dict[str, dict]) -> dict[str, float]:
+    """MLflow metrics `<group>.<key>` from summaries: the numbers only (NaN, lists and dicts left to the JSON)."""
+    return {f"{g}.{k}": float(v) for g, summary in groups.items() for k, v in summary.items()
+            if isinstance(v, (int, float)) and v == v}
+
+
 def _traces(data: Path, traces: Path | None, split: str, limit: int) -> list:
     """At most `limit` traces of `split`: from `traces`, or the folder the dataset card at `data` names."""
     from kvsteward.synth.dataset import CARD_JSON
@@ -185,9 +191,10 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         engine.aux_context = aux_context
     arms = ("base", "adapter") if adapter else ("base",)
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
-    bias = dict.fromkeys(arms, close_bias) if close_bias is not None else {"base": 0.0, "adapter": engine.close_bias}
-    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log,
-                      close_bias={arm: bias[arm] for arm in arms}, keep_unread=not delete_unread)
+    bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
+            for arm in arms}
+    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=bias,
+                      keep_unread=not delete_unread)
     if mlflow_log:
         import mlflow
 
@@ -198,8 +205,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
                                "every": every, "traces": len(trs),
                                **{f"{arm}.close_bias": bias[arm] for arm in arms},
                                "keep_unread": not delete_unread, "aux_context": engine.aux_context})
-            mlflow.log_metrics({f"{arm}.{k}": float(v) for arm in arms for k, v in result[arm].items()
-                                if isinstance(v, (int, float)) and v == v})
+            mlflow.log_metrics(_numeric_metrics({arm: result[arm] for arm in arms}))
             mlflow.log_dict(result, "manager_eval.json")
         result["mlflow_run_id"] = run.info.run_id
     print(json.dumps(result)) if as_json else console.print_json(json.dumps(result))
@@ -276,8 +282,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                                "max_harm": max_harm, "min_f1": min_f1, "keep_unread": not delete_unread,
                                "aux_context": engine.aux_context, "chosen_close_bias": choice.close_bias,
                                "met": choice.met})
-            mlflow.log_metrics({f"bias_{b:g}.{k}": float(v) for b, s in result["by_bias"].items()
-                                for k, v in s.items() if isinstance(v, (int, float)) and v == v})
+            mlflow.log_metrics(_numeric_metrics({f"bias_{b:g}": s for b, s in result["by_bias"].items()}))
             mlflow.log_dict(out, "manager_calibrate.json")
         out["mlflow_run_id"] = run.info.run_id
     print(json.dumps(out)) if as_json else console.print_json(json.dumps(out))

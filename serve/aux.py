@@ -59,6 +59,13 @@ LIST_OPEN = " ["
 _ALPHABET = set("0123456789, []}")
 
 
+def check_close_bias(value) -> float:
+    """`value` as a float if it is a finite number of nats (not a bool, not text from a hand-edited record)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"aux close_bias must be a finite number of nats, got {value}")
+    return float(value)
+
+
 def valid_tail(tail: str, open_ids: frozenset[int]) -> tuple[bool, bool]:
     """(prefix of a valid tail?, complete?) for the language `" [" (ID (", " ID)* "]}" | "]}")` over unused open
     ids (the tail is what follows `PREFIX`)."""
@@ -613,8 +620,7 @@ class AuxConfig:
     keep_unread: bool = True  # never delete a tool response the agent has not read yet (`unread_cursors`)
 
     def validate(self) -> None:
-        if not math.isfinite(self.close_bias):
-            raise ValueError(f"aux close_bias must be a finite number of nats, got {self.close_bias}")
+        check_close_bias(self.close_bias)
         if self.max_wait is not None and self.max_wait < 0:
             raise ValueError(f"aux max_wait must be >= 0 seconds, got {self.max_wait}")
         if self.every < 1:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from contextlib import nullcontext
 
@@ -18,6 +17,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
                  close_bias: float = 0.0):
         from kvsteward.kernels.rope import rope_spec
+        from kvsteward.serve.aux import check_close_bias
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
         self.model = model.eval()
@@ -27,9 +27,7 @@ class Engine:
         self.aux_context = check_aux_context(aux_context)
         # The close bias chosen for this adapter on validation traces (`steward eval calibrate`): the aux thread's
         # default (`AuxConfig.close_bias`, `steward eval manager --close-bias` override it).
-        if isinstance(close_bias, bool) or not isinstance(close_bias, (int, float)) or not math.isfinite(close_bias):
-            raise ValueError(f"aux close_bias must be a finite number of nats, got {close_bias}")
-        self.close_bias = float(close_bias)
+        self.close_bias = check_close_bias(close_bias)
         # The aux thread's prefilled first messages (`serve.aux.first_message_session`), by (role, token ids, chunk):
         # kept across decisions and sessions, least recently used out beyond `aux_head_tokens` tokens in all.
         self.aux_heads: OrderedDict[tuple, Session] = OrderedDict()
