@@ -40,13 +40,14 @@ def arm_name(bias: float) -> str:
 
 
 def sweep(engine: Engine, traces: list[Trace], biases: list[float], every: int = 4, max_aux_tokens: int = 48,
-          keep_unread: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+          keep_unread: bool = True, progress: Callable[[str], None] | None = None, **parallel) -> dict:
     """The adapter as memory manager at every close bias, each scored as `eval.manager.evaluate` scores its adapter
-    arm: `{"by_bias": {bias: summary}, "uncompressed": {...}, ...}`."""
+    arm: `{"by_bias": {bias: summary}, "uncompressed": {...}, ...}`. `parallel`: `workers`, `engine_factory`,
+    `journal`, `journal_key` of `eval.manager.play`."""
     biases = check_biases(biases)
     arms = {arm_name(b): (True, b) for b in biases}
     tallies = play(engine, traces, every, arms, max_aux_tokens=max_aux_tokens, progress=progress,
-                   keep_unread=keep_unread)
+                   keep_unread=keep_unread, **parallel)
     ref = tallies["uncompressed"]
     return {"by_bias": {b: summarize(tallies[arm_name(b)], ref) for b in biases}, "uncompressed": reference(ref),
             "n_traces": len(traces), "every": every, "keep_unread": keep_unread, "aux_context": engine.aux_context}

@@ -17,8 +17,10 @@ trace's future readers.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from kvsteward.eval.scoring import appended_gold_nll, mean, text_prefix_match, wilson_interval
 from kvsteward.serve.aux import AuxDecision, run_aux
@@ -60,6 +62,18 @@ class Tally:
     kv_reads: list[int] = field(default_factory=list)
     correct: list[bool] = field(default_factory=list)
     answer_nll: list[float] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        """Count `other`'s traces in too (counts add, per-trace lists extend)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                mine.extend(theirs)
+            elif isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            else:
+                setattr(self, f.name, mine + theirs)
 
 
 def _kv_reads(resident_before: int, n_decoded: int) -> int:
@@ -189,27 +203,140 @@ def summarize(t: Tally, ref: Tally) -> dict:
     return out
 
 
-def play(engine: Engine, traces: list[Trace], every: int, arms: dict[str, tuple[bool, float]], plan: bool = False,
-         max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
-         keep_unread: bool = True) -> dict[str, Tally]:
-    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias). The tallies by
-    arm, plus `"uncompressed"`: the reference every arm is scored against (played once per trace, whatever the number
-    of arms)."""
+Arms = dict[str, tuple[bool, float]]  # arm name → (use the adapter, close bias)
+
+
+def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool = False, max_aux_tokens: int = 48,
+               keep_unread: bool = True) -> dict[str, Tally]:
+    """One trace replayed uncompressed (`"uncompressed"`) and once per arm: each its own tally."""
     tok = engine.tokenizer
     tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
-    for k, trace in enumerate(traces):
-        replay(engine, trace, every, None, tallies["uncompressed"])
-        for arm, (use, bias) in arms.items():
+    replay(engine, trace, every, None, tallies["uncompressed"])
+    for arm, (use, bias) in arms.items():
 
-            def decide(s, msgs, open_c, use=use, bias=bias):
-                return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
-                               keep_unread=keep_unread)
+        def decide(s, msgs, open_c, use=use, bias=bias):
+            return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
+                           keep_unread=keep_unread)
 
-            replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
-        if progress:
-            progress(f"trace {k + 1}/{len(traces)} ({trace.task_id}): " + ", ".join(
-                f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
+        replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
     return tallies
+
+
+def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, plan: bool = False,
+         max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
+         keep_unread: bool = True, workers: int = 1, engine_factory: Callable[[], Engine] | None = None,
+         journal: str | Path | None = None, journal_key: dict | None = None) -> dict[str, Tally]:
+    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias). The tallies by
+    arm, plus `"uncompressed"`: the reference every arm is scored against (played once per trace, whatever the number
+    of arms).
+
+    `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable);
+    traces are independent and greedy, so the result is the serial one (merged in trace order). `journal`: a JSONL
+    file of finished traces — a rerun with the same settings (`journal_key` names what else must match, e.g. the
+    model and adapter) skips them, so a killed evaluation resumes where it stopped."""
+    settings = {"every": every, "arms": {a: list(v) for a, v in arms.items()}, "plan": plan,
+                "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
+                "aux_context": engine.aux_context if engine is not None else None, **(journal_key or {})}
+    done = open_journal(journal, settings) if journal else {}
+    by_trace: dict[str, dict[str, Tally]] = {t.task_id: done[t.task_id] for t in traces if t.task_id in done}
+    todo = [t for t in traces if t.task_id not in by_trace]
+
+    def finished(trace: Trace, tallies: dict[str, Tally]) -> None:
+        by_trace[trace.task_id] = tallies
+        if journal:
+            append_journal(journal, trace.task_id, tallies)
+        if progress:
+            progress(f"trace {len(by_trace)}/{len(traces)} ({trace.task_id}): " + ", ".join(
+                f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
+
+    if done and progress:
+        progress(f"journal {journal}: {len(by_trace)} of {len(traces)} traces already played")
+    args = (every, arms, plan, max_aux_tokens, keep_unread)
+    if workers > 1 and len(todo) > 1:
+        _play_in_processes(todo, args, workers, engine_factory, finished)
+    else:
+        engine = engine if engine is not None else engine_factory()
+        for trace in todo:
+            finished(trace, play_trace(engine, trace, *args))
+    total = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
+    for trace in traces:  # in trace order: the lists (peak, answers) come out as a serial run's
+        for arm, t in by_trace[trace.task_id].items():
+            total[arm].add(t)
+    return total
+
+
+def _play_in_processes(traces: list[Trace], args: tuple, workers: int, engine_factory: Callable[[], Engine] | None,
+                       finished: Callable[[Trace, dict[str, Tally]], None]) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import torch
+
+    if engine_factory is None:
+        raise ValueError("workers > 1 needs an engine_factory: each process loads its own engine")
+    threads = max(1, torch.get_num_threads() // workers)
+    # spawn, not fork: a forked child of a process whose OpenMP pool has run can hang
+    with ProcessPoolExecutor(min(workers, len(traces)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_worker_init, initargs=(engine_factory, threads)) as pool:
+        futures = {pool.submit(_worker_play, t, args): t for t in traces}
+        for f in as_completed(futures):
+            finished(futures[f], f.result())
+
+
+_worker_engine: Engine | None = None
+
+
+def _worker_init(engine_factory: Callable[[], Engine], threads: int) -> None:
+    import torch
+
+    global _worker_engine
+    torch.set_num_threads(threads)
+    _worker_engine = engine_factory()
+
+
+def _worker_play(trace: Trace, args: tuple) -> dict[str, Tally]:
+    return play_trace(_worker_engine, trace, *args)
+
+
+class JournalError(ValueError):
+    """A journal that cannot be resumed from (named in the message)."""
+
+
+def open_journal(path: str | Path, settings: dict) -> dict[str, dict[str, Tally]]:
+    """The traces a journal holds (task id → tallies by arm); a new journal gets a header with `settings`. A journal
+    written under other settings is refused (naming what differs); a last line cut short by a crash is ignored."""
+    path = Path(path)
+    settings = json.loads(json.dumps(settings))  # as it reads back (tuples → lists)
+    text = path.read_text() if path.exists() else ""
+    if not text.endswith("\n"):  # a line cut short by a crash: drop it, so the next line starts on its own
+        text = text[:text.rfind("\n") + 1]
+    if not text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"journal": "kvsteward manager replay", "settings": settings}) + "\n")
+        return {}
+    if path.stat().st_size != len(text.encode()):
+        with path.open("r+") as f:
+            f.truncate(len(text.encode()))
+    lines = text.splitlines()
+    try:
+        header = json.loads(lines[0])["settings"]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise JournalError(f"{path} is not a manager-replay journal (no settings header)") from e
+    differ = sorted(k for k in header.keys() | settings.keys() if header.get(k) != settings.get(k))
+    if differ:
+        raise JournalError(f"journal {path} was written with other settings ({', '.join(differ)}: "
+                         f"{[header.get(k) for k in differ]} there, {[settings.get(k) for k in differ]} now); "
+                         "use another journal file")
+    return {row["trace"]: {arm: Tally(**t) for arm, t in row["tallies"].items()}
+            for row in map(json.loads, lines[1:])}
+
+
+def append_journal(path: str | Path, trace_id: str, tallies: dict[str, Tally]) -> None:
+    """One finished trace, flushed to disk before the next starts."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps({"trace": trace_id, "tallies": {a: asdict(t) for a, t in tallies.items()}}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def reference(ref: Tally) -> dict:
@@ -218,15 +345,25 @@ def reference(ref: Tally) -> dict:
             "peak_tokens": sum(ref.peak), "kv_reads": sum(ref.kv_reads)}
 
 
+def load_engine(model: str, adapter: str | None = None, aux_context: str | None = None) -> Engine:
+    """The engine `steward eval` plays on (`Engine.load`, the adapter's recorded context unless `aux_context`):
+    picklable as `functools.partial(load_engine, ...)`, what each process of `play(workers=N)` calls."""
+    engine = Engine.load(model, adapter=adapter)
+    if aux_context is not None:
+        engine.aux_context = aux_context
+    return engine
+
+
 def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
              plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
-             close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True) -> dict:
+             close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True, **parallel) -> dict:
     """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
     `close_bias`, `keep_unread`: the serving knobs of `AuxConfig` (nats toward closing the deletion list; never
-    delete a tool response not read yet), for both arms; `close_bias` may also map each arm to its own."""
+    delete a tool response not read yet), for both arms; `close_bias` may also map each arm to its own.
+    `parallel`: `workers`, `engine_factory`, `journal`, `journal_key` of `play`."""
     bias = close_bias if isinstance(close_bias, dict) else dict.fromkeys(arms, close_bias)
     tallies = play(engine, traces, every, {arm: (arm == "adapter", bias[arm]) for arm in arms}, plan,
-                   max_aux_tokens, progress, keep_unread)
+                   max_aux_tokens, progress, keep_unread, **parallel)
     ref = tallies["uncompressed"]
     return {**{arm: summarize(tallies[arm], ref) for arm in arms}, "uncompressed": reference(ref),
             "n_traces": len(traces), "every": every, "close_bias": close_bias,

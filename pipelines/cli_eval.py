@@ -156,6 +156,25 @@ def _traces(data: Path, traces: Path | None, split: str, limit: int) -> list:
     return trs
 
 
+def _check_parallel(workers: int, journal: Path | None) -> None:
+    if workers < 1:
+        raise typer.BadParameter(f"--workers must be >= 1, got {workers}")
+    if journal is not None and journal.is_dir():
+        raise typer.BadParameter(f"--journal {journal} is a folder: give a file path")
+
+
+def _parallel(model: str, adapter: Path | None, engine, workers: int, journal: Path | None) -> dict:
+    """`play`'s process and journal arguments: each worker loads what this process loaded."""
+    from functools import partial
+
+    from kvsteward.eval.manager import load_engine
+
+    adapter_dir = str(adapter) if adapter else None
+    return {"workers": workers, "journal": journal,
+            "engine_factory": partial(load_engine, model, adapter_dir, engine.aux_context),
+            "journal_key": {"model": model, "adapter": str(Path(adapter_dir).resolve()) if adapter_dir else None}}
+
+
 @app.command()
 def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
             adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: base model only)"),
@@ -174,16 +193,21 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             aux_context: str | None = typer.Option(None, help="what the aux trigger follows: full (the session) or "
                                                         "first (its first message only); default: as the adapter "
                                                         "was trained (its kvsteward.json), full without one"),
+            workers: int = typer.Option(1, help="play traces in this many processes (each loads the model; "
+                                                "results as with 1)"),
+            journal: Path | None = typer.Option(None, help="JSONL file of finished traces: rerun with the same "
+                                                           "command to resume after a crash"),
             mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
     for the base model and the adapter as memory manager, on held-out traces."""
-    from kvsteward.eval.manager import evaluate
+    from kvsteward.eval.manager import JournalError, evaluate
     from kvsteward.serve.engine import Engine
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
     _check_aux_context(aux_context)
+    _check_parallel(workers, journal)
     trs = _traces(data, traces, split, limit)
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
@@ -193,8 +217,11 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
             for arm in arms}
-    result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=bias,
-                      keep_unread=not delete_unread)
+    try:
+        result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=bias,
+                          keep_unread=not delete_unread, **_parallel(model, adapter, engine, workers, journal))
+    except JournalError as e:
+        raise typer.BadParameter(str(e)) from e
     if mlflow_log:
         import mlflow
 
@@ -230,6 +257,10 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                                                           "default: as the adapter was trained"),
               write: bool = typer.Option(True, "--write/--no-write", help="record the chosen bias in the adapter's "
                                                                         "kvsteward.json (the serving default)"),
+              workers: int = typer.Option(1, help="play traces in this many processes (each loads the model; "
+                                                        "results as with 1)"),
+              journal: Path | None = typer.Option(None, help="JSONL file of finished traces: rerun with the same "
+                                                                   "command to resume after a crash"),
               mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the sweep to MLflow"),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Choose the aux close bias on held-out traces: the adapter as memory manager at every bias (all against one
@@ -237,6 +268,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     lowest harmful rate, reported as not met); recorded in the adapter for `steward serve` and `steward eval
     manager`."""
     from kvsteward.eval.calibrate import check_biases, choose, record, sweep
+    from kvsteward.eval.manager import JournalError
     from kvsteward.models import ModelNotFound, check_adapter
     from kvsteward.serve.engine import Engine
 
@@ -252,6 +284,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     if not (0.0 <= max_harm <= 1.0 and 0.0 <= min_f1 <= 1.0):
         raise typer.BadParameter(f"--max-harm and --min-f1 are rates in [0, 1], got {max_harm} and {min_f1}")
     _check_aux_context(aux_context)
+    _check_parallel(workers, journal)
     trs = _traces(data, traces, split, limit)
     if split == "test":
         console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice, "
@@ -261,7 +294,11 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     recorded_context = engine.aux_context
     if aux_context is not None:
         engine.aux_context = aux_context
-    result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log)
+    try:
+        result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log,
+                       **_parallel(model, adapter, engine, workers, journal))
+    except JournalError as e:
+        raise typer.BadParameter(str(e)) from e
     choice = choose(result["by_bias"], max_harm, min_f1)
     out = {"close_bias": choice.close_bias, "met": choice.met, "reason": choice.reason, "adapter_dir": str(adapter),
            "split": split, **result, "by_bias": {str(b): s for b, s in result["by_bias"].items()}, "written": write}

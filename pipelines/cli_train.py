@@ -96,6 +96,36 @@ def lora(
             print(f"{k}: {v}")
 
 
+@app.command()
+def soup(
+    adapters: list[Path] = typer.Argument(..., help="adapter folders (`steward train lora`'s adapter/), 2 or more"),
+    out: Path = typer.Option(..., help="folder for the soup adapter (must not exist, or be empty)"),
+    model: str = typer.Option("smollm2", help="the adapters' base model: `smollm2`, a local folder, or a hub id"),
+    weights: str = typer.Option(None, help="comma-separated weights, one per adapter (normalized); default uniform"),
+    as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
+) -> None:
+    """One adapter whose weight delta is the weighted mean of the adapters' (e.g. seeds of one configuration):
+    served at the cost of one. Calibrate its close bias afresh (`steward eval calibrate`)."""
+    from kvsteward.models import ModelNotFound
+    from kvsteward.train.soup import SoupError
+    from kvsteward.train.soup import soup as make_soup
+
+    try:
+        shares = None if weights is None else [float(w) for w in weights.split(",")]
+    except ValueError:
+        _fail(SoupError(f"--weights must be comma-separated numbers, got {weights!r}"))
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result = make_soup(adapters, out, model=model, weights=shares)
+    except (SoupError, ModelNotFound) as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        console.print(f"soup of {len(adapters)} adapters (rank {result['rank']}) → {result['adapter_dir']}")
+        print(result["adapter_dir"])
+
+
 @app.command("toy-data")
 def toy_data(
     out: Path = typer.Option(..., help="folder for the DatasetDict (train/validation/test)"),

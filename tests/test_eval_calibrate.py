@@ -164,3 +164,31 @@ def test_calibrate_cli_refuses_bad_input_before_loading_anything(tmp_path, adapt
     assert res.exit_code == 2 and "--max-harm and --min-f1 are rates" in res.output
     res = _cli([*base, "--adapter", str(adapter_dir), "--aux-context", "task"])
     assert res.exit_code == 2 and "--aux-context must be one of full, first" in res.output
+
+
+def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
+    """`--workers 2` (each process loads the model and adapter itself) gives the serial result; `--journal` keeps the
+    finished traces, a rerun reads them instead of playing, other settings are refused by name; bad values are
+    refused before anything loads."""
+    from kvsteward.synth.trace import write_traces
+
+    keep = [t for t in generate_traces(30, seed=5) if t.split == "validation" and len(t.cursors()) >= 4][:2]
+    assert len(keep) == 2
+    write_traces(tmp_path / "traces", keep, {"seed": 5})
+    common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
+              "--traces", str(tmp_path / "traces"), "--split", "validation", "--every", "2", "--limit", "2",
+              "--close-bias", "-1", "--no-mlflow", "--json"]
+    journal = tmp_path / "j.jsonl"
+    runs = [_cli([*common, *extra]) for extra in (["--journal", str(journal)], ["--workers", "2"],
+                                                  ["--journal", str(journal)])]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    serial, parallel, resumed = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert serial["adapter"]["aux_calls"] > 0
+    assert json.dumps(serial, sort_keys=True) == json.dumps(parallel, sort_keys=True) == \
+        json.dumps(resumed, sort_keys=True)
+    assert len(journal.read_text().splitlines()) == 1 + 2  # header + one line per trace: the rerun played none
+    assert "2 of 2 traces already played" in runs[2].output
+    other = _cli([*common, "--every", "3", "--journal", str(journal)])  # the last --every wins
+    assert other.exit_code == 2 and "other settings (every" in other.output
+    bad = _cli(["eval", "calibrate", "--data", str(tmp_path), "--adapter", str(adapter_dir), "--workers", "0"])
+    assert bad.exit_code == 2 and "--workers must be >= 1" in bad.output

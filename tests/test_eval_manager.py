@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from kvsteward.eval.manager import Tally, answer_prefix, harm_kind, replay, summarize
@@ -137,3 +140,45 @@ def test_cli_refuses_an_unknown_aux_context_before_loading_anything(tmp_path):
 
     res = CliRunner().invoke(app, ["eval", "manager", "--data", str(tmp_path), "--aux-context", "task", "--no-mlflow"])
     assert res.exit_code == 2 and "--aux-context must be one of full, first" in res.output
+
+
+def _same(a: dict, b: dict) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # NaN-aware: NaN == NaN as text
+
+
+def test_workers_give_the_serial_result(manager_setup):
+    """Traces played in 2 spawned processes (each building the same engine) merge into the serial result, number
+    for number (traces are independent and greedy; merged in trace order)."""
+    from functools import partial
+
+    from kvsteward.eval.manager import evaluate
+    from kvsteward.serve.testing import tiny_chat_engine
+
+    engine, traces = manager_setup
+    serial = evaluate(engine, traces, every=2, arms=("base",))
+    parallel = evaluate(engine, traces, every=2, arms=("base",), workers=2,
+                        engine_factory=partial(tiny_chat_engine, 2))
+    assert serial["base"]["aux_calls"] > 0 and _same(serial, parallel)
+
+
+def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypatch):
+    """A journal keeps every finished trace: a rerun plays only the missing ones and gives the uninterrupted result;
+    a line cut short by a crash is played again; other settings are refused by name."""
+    from kvsteward.eval import manager as mgr
+
+    engine, traces = manager_setup
+    whole = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0)
+    journal = tmp_path / "j.jsonl"
+    mgr.evaluate(engine, traces[:1], every=2, arms=("base",), close_bias=-1.0, journal=journal)  # "killed" here
+    with journal.open("a") as f:
+        f.write('{"trace": "cut sh')  # a crash mid-write
+    played: list[str] = []
+    real = mgr.play_trace
+    monkeypatch.setattr(mgr, "play_trace", lambda e, t, *a: played.append(t.task_id) or real(e, t, *a))
+    resumed = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0, journal=journal)
+    assert played == [traces[1].task_id] and _same(resumed, whole)
+    played.clear()
+    again = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0, journal=journal)
+    assert played == [] and _same(again, whole)
+    with pytest.raises(mgr.JournalError, match="other settings \\(arms, every"):
+        mgr.evaluate(engine, traces, every=3, arms=("base",), close_bias=0.0, journal=journal)
