@@ -183,6 +183,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
+            base: bool = typer.Option(True, "--base/--no-base", help="also run the base model as the manager "
+                                                                     "(--no-base: the adapter arm only, for half the "
+                                                                     "time when its base numbers are known)"),
             close_bias: float | None = typer.Option(None, help="nats added to closing the deletion list (serving's "
                                                               "--aux-close-bias): > 0 deletes less, fewer harmful "
                                                               "deletions; default: the adapter's calibrated bias "
@@ -206,6 +209,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
+    if not base and adapter is None:
+        raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR")
     _check_aux_context(aux_context)
     _check_parallel(workers, journal)
     trs = _traces(data, traces, split, limit)
@@ -213,7 +218,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         engine = Engine.load(model, adapter=str(adapter) if adapter else None)
     if aux_context is not None:
         engine.aux_context = aux_context
-    arms = ("base", "adapter") if adapter else ("base",)
+    arms = (("base",) if base else ()) + (("adapter",) if adapter else ())
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
             for arm in arms}

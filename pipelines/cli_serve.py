@@ -51,6 +51,9 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           aux_context: str = typer.Option(None, help="what the aux trigger follows: full (the session) or first "
                                                      "(its first message only; constant cost per decision); "
                                                      "default: as the adapter was trained (its kvsteward.json)"),
+          aux_head_tokens: int = typer.Option(8192, help="with --aux-context first: prefilled first messages kept "
+                                                         "for the aux thread, in tokens (LRU; 0: none kept, each "
+                                                         "decision prefills its own)"),
           tiers: bool = typer.Option(True, help="unloaded sessions go down host → disk (→ Valkey) tiers"),
           host_tier_bytes: int = typer.Option(2 << 30, help="snapshots kept in host memory (older → disk)"),
           disk_tier_bytes: int = typer.Option(64 << 30, help="snapshots kept on disk (older → Valkey, or deleted)"),
@@ -92,6 +95,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     if aux_plan and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-plan needs a planner: --adapter DIR (or --aux-base for the base model)")
     aux = None
+    if aux_head_tokens < 0:
+        raise typer.BadParameter(f"--aux-head-tokens must be >= 0, got {aux_head_tokens}")
     if adapter is not None or aux_base:
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
@@ -105,6 +110,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         engine = Engine.load(model, dtype=getattr(torch, dtype), adapter=None if adapter is None else str(adapter))
     if aux_context is not None:
         engine.aux_context = aux_context
+    engine.aux_head_tokens = aux_head_tokens
     if aux is not None and aux_close_bias is None:
         aux.close_bias = engine.close_bias  # as calibrated for this adapter (0 for none)
     try:

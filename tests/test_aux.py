@@ -353,3 +353,7 @@ def test_the_first_message_is_prefilled_once_and_served_bit_for_bit(tok, monkeyp
     assert [k[1] for k in engine.aux_heads] == [tuple(longer)]  # the older head went out
     engine.aux_head_tokens = 1
     assert torch.equal(trigger_logits(msgs), cold) and not engine.aux_heads
+    engine.aux_head_tokens = 0  # `steward serve --aux-head-tokens 0`: every decision prefills its own head
+    built.clear()
+    assert torch.equal(trigger_logits(msgs), cold) and torch.equal(trigger_logits(msgs), cold)
+    assert len(built) == 2 and not engine.aux_heads

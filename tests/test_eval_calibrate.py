@@ -177,13 +177,13 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     write_traces(tmp_path / "traces", keep, {"seed": 5})
     common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
               "--traces", str(tmp_path / "traces"), "--split", "validation", "--every", "2", "--limit", "2",
-              "--close-bias", "-1", "--no-mlflow", "--json"]
+              "--close-bias", "-1", "--no-base", "--no-mlflow", "--json"]
     journal = tmp_path / "j.jsonl"
     runs = [_cli([*common, *extra]) for extra in (["--journal", str(journal)], ["--workers", "2"],
                                                   ["--journal", str(journal)])]
     assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
     serial, parallel, resumed = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
-    assert serial["adapter"]["aux_calls"] > 0
+    assert serial["adapter"]["aux_calls"] > 0 and "base" not in serial  # --no-base: the adapter arm only
     assert json.dumps(serial, sort_keys=True) == json.dumps(parallel, sort_keys=True) == \
         json.dumps(resumed, sort_keys=True)
     assert len(journal.read_text().splitlines()) == 1 + 2  # header + one line per trace: the rerun played none
@@ -192,3 +192,5 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     assert other.exit_code == 2 and "other settings (every" in other.output
     bad = _cli(["eval", "calibrate", "--data", str(tmp_path), "--adapter", str(adapter_dir), "--workers", "0"])
     assert bad.exit_code == 2 and "--workers must be >= 1" in bad.output
+    bad = _cli(["eval", "manager", "--data", str(tmp_path), "--no-base"])
+    assert bad.exit_code == 2 and "--no-base leaves no manager" in bad.output

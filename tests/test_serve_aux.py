@@ -372,6 +372,25 @@ def test_serve_cli_aux_flags(tmp_path):
     assert bad.exit_code != 0 and "--spill-tier must be" in bad.output
     bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--aux-base", "--aux-context", "task"])
     assert bad.exit_code != 0 and "--aux-context must be one of full, first" in bad.output
+    bad = CliRunner().invoke(root, ["serve", "--model", str(tmp_path), "--aux-base", "--aux-head-tokens", "-1"])
+    assert bad.exit_code != 0 and "--aux-head-tokens must be >= 0" in bad.output
+
+
+def test_serve_cli_sets_the_aux_head_cache(tiny_folder, tmp_path, monkeypatch):
+    """`--aux-head-tokens` is the engine's cap on kept first-message prefills (0: none kept)."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    import kvsteward.serve.api as api
+    from kvsteward.pipelines.cli import app
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # the app is not served: only its setup is read
+    monkeypatch.setattr(api, "create_app", lambda engine, config: seen.update(engine=engine))
+    args = ["serve", "--model", str(tiny_folder), "--aux-base", "--data-dir", str(tmp_path)]
+    assert CliRunner().invoke(app, args).exit_code == 0 and seen.pop("engine").aux_head_tokens == 8192
+    assert CliRunner().invoke(app, [*args, "--aux-head-tokens", "0"]).exit_code == 0
+    assert seen.pop("engine").aux_head_tokens == 0
 
 
 def test_bench_aux_plumbing(engine):
