@@ -245,9 +245,11 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
         by_trace[trace.task_id] = tallies
         if journal:
             append_journal(journal, trace.task_id, tallies)
-        if progress:
+        if progress:  # running totals over the traces finished so far (in any order with workers)
+            totals = {a: (sum(t[a].deleted for t in by_trace.values()), sum(t[a].harmful for t in by_trace.values()))
+                      for a in arms}
             progress(f"trace {len(by_trace)}/{len(traces)} ({trace.task_id}): " + ", ".join(
-                f"{a} deleted {tallies[a].deleted} (harmful {tallies[a].harmful})" for a in arms))
+                f"{a} deleted {d} (harmful {h})" for a, (d, h) in totals.items()))
 
     if done and progress:
         progress(f"journal {journal}: {len(by_trace)} of {len(traces)} traces already played")

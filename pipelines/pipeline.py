@@ -90,7 +90,7 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
         Stage("manager", {"traces": cfg.manager_traces, "every": cfg.every, "model": m}, ["hindsight", "train"],
               lambda out, up: ["eval", "manager", "--model", m, "--adapter", _adapter(up["train"]), "--data",
                                str(up["hindsight"] / "ds"), "--every", str(cfg.every), "--limit",
-                               str(cfg.manager_traces), "--json"]),
+                               str(cfg.manager_traces), "--journal", str(out / "traces.jsonl"), "--json"]),
         Stage("longsession", {"length": cfg.bench_length, "distances": cfg.bench_distances, "arms": cfg.bench_arms,
                               "sessions": cfg.bench_sessions, "budget": cfg.budget, "chunk": cfg.chunk,
                               "limit": cfg.limit, "model": m}, [],

@@ -58,3 +58,15 @@ def test_findings_table_fits_an_80_column_log(monkeypatch):
     header = next(line for line in text.splitlines() if "manager" in line and "F1" in line)
     assert all(h in header for h in ("prec", "recall", "harmful", "parse fail", "peak ↓", "reads ↓"))
     assert "0.74" in text and "0.08" in text
+
+
+def test_the_manager_stage_keeps_a_journal_in_its_folder(tmp_path):
+    """A killed manager stage resumes trace by trace: its command journals into the stage's own (kept) folder."""
+    from kvsteward.pipelines.pipeline import DONE, stages
+
+    (manager,) = [s for s in stages(PipelineConfig()) if s.name == "manager"]
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
+    args = manager.command(tmp_path / "manager-x", {"hindsight": tmp_path / "h", "train": train})
+    assert args[args.index("--journal") + 1] == str(tmp_path / "manager-x" / "traces.jsonl")
