@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -289,11 +290,22 @@ _worker_engine: Engine | None = None
 
 
 def _worker_init(engine_factory: Callable[[], Engine], threads: int) -> None:
+    import threading
+
     import torch
 
     global _worker_engine
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
     _worker_engine = engine_factory()
+
+
+def _exit_with_parent(parent: int) -> None:
+    # A killed (not interrupted) parent leaves its workers running: each would play its trace to the end for nobody.
+    # Reparented, a worker sees another parent id and exits.
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _worker_play(trace: Trace, args: tuple) -> dict[str, Tally]:

@@ -182,3 +182,42 @@ def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypa
     assert played == [] and _same(again, whole)
     with pytest.raises(mgr.JournalError, match="other settings \\(arms, every"):
         mgr.evaluate(engine, traces, every=3, arms=("base",), close_bias=0.0, journal=journal)
+
+
+def test_workers_exit_when_their_parent_is_killed():
+    """A busy worker of `play(workers=N)` whose parent dies by SIGKILL exits too, instead of playing its trace to
+    the end for nobody (an idle one would notice the closed queue by itself; a busy one reads none)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    code = ("import multiprocessing, os, sys, time\n"
+            "from concurrent.futures import ProcessPoolExecutor\n"
+            "from kvsteward.eval.manager import _worker_init\n"
+            "if __name__ == '__main__':\n"
+            "    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
+            "                               initializer=_worker_init, initargs=(dict, 1))\n"
+            "    print(pool.submit(os.getpid).result(), flush=True)\n"
+            "    pool.submit(time.sleep, 90)\n"  # busy, as a worker playing a trace is: it reads no queue
+            "    time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    worker = int(parent.stdout.readline())
+
+    def alive(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status")
+        try:  # a dead worker nobody reaped (PID 1 of a container may not) is a zombie: gone for our purpose
+            return "\tZ" not in next(ln for ln in status.read_text().splitlines() if ln.startswith("State:"))
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    assert alive(worker)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 20
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not alive(worker)
