@@ -16,6 +16,7 @@ trace's future readers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -239,13 +240,17 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
                 "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
                 "aux_context": engine.aux_context if engine is not None else None, **(journal_key or {})}
     done = open_journal(journal, settings) if journal else {}
-    by_trace: dict[str, dict[str, Tally]] = {t.task_id: done[t.task_id] for t in traces if t.task_id in done}
+    for t in traces:
+        if t.task_id in done and done[t.task_id][0] != trace_digest(t):
+            raise JournalError(f"journal {journal} holds another trace named {t.task_id} (other messages): "
+                               "use another journal file for these traces")
+    by_trace: dict[str, dict[str, Tally]] = {t.task_id: done[t.task_id][1] for t in traces if t.task_id in done}
     todo = [t for t in traces if t.task_id not in by_trace]
 
     def finished(trace: Trace, tallies: dict[str, Tally]) -> None:
         by_trace[trace.task_id] = tallies
         if journal:
-            append_journal(journal, trace.task_id, tallies)
+            append_journal(journal, trace, tallies)
         if progress:  # running totals over the traces finished so far (in any order with workers)
             totals = {a: (sum(t[a].deleted for t in by_trace.values()), sum(t[a].harmful for t in by_trace.values()))
                       for a in arms}
@@ -316,9 +321,15 @@ class JournalError(ValueError):
     """A journal that cannot be resumed from (named in the message)."""
 
 
-def open_journal(path: str | Path, settings: dict) -> dict[str, dict[str, Tally]]:
-    """The traces a journal holds (task id → tallies by arm); a new journal gets a header with `settings`. A journal
-    written under other settings is refused (naming what differs); a last line cut short by a crash is ignored."""
+def trace_digest(trace: Trace) -> str:
+    """What a journal line was played on: task ids alone could name another trace set's traces."""
+    return hashlib.sha256(json.dumps([trace.messages, trace.reads], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def open_journal(path: str | Path, settings: dict) -> dict[str, tuple[str, dict[str, Tally]]]:
+    """The traces a journal holds (task id → (trace digest, tallies by arm)); a new journal gets a header with
+    `settings`. A journal written under other settings is refused (naming what differs); a last line cut short by a
+    crash is dropped."""
     path = Path(path)
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples → lists)
     text = path.read_text() if path.exists() else ""
@@ -339,16 +350,17 @@ def open_journal(path: str | Path, settings: dict) -> dict[str, dict[str, Tally]
     differ = sorted(k for k in header.keys() | settings.keys() if header.get(k) != settings.get(k))
     if differ:
         raise JournalError(f"journal {path} was written with other settings ({', '.join(differ)}: "
-                         f"{[header.get(k) for k in differ]} there, {[settings.get(k) for k in differ]} now); "
-                         "use another journal file")
-    return {row["trace"]: {arm: Tally(**t) for arm, t in row["tallies"].items()}
+                           f"{[header.get(k) for k in differ]} there, {[settings.get(k) for k in differ]} now); "
+                           "use another journal file")
+    return {row["trace"]: (row["digest"], {arm: Tally(**t) for arm, t in row["tallies"].items()})
             for row in map(json.loads, lines[1:])}
 
 
-def append_journal(path: str | Path, trace_id: str, tallies: dict[str, Tally]) -> None:
+def append_journal(path: str | Path, trace: Trace, tallies: dict[str, Tally]) -> None:
     """One finished trace, flushed to disk before the next starts."""
+    row = {"trace": trace.task_id, "digest": trace_digest(trace), "tallies": {a: asdict(t) for a, t in tallies.items()}}
     with Path(path).open("a") as f:
-        f.write(json.dumps({"trace": trace_id, "tallies": {a: asdict(t) for a, t in tallies.items()}}) + "\n")
+        f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
 

@@ -163,7 +163,8 @@ def test_workers_give_the_serial_result(manager_setup):
 
 def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypatch):
     """A journal keeps every finished trace: a rerun plays only the missing ones and gives the uninterrupted result;
-    a line cut short by a crash is played again; other settings are refused by name."""
+    a line cut short by a crash is played again; other settings, or another trace under a journaled name, are
+    refused."""
     from kvsteward.eval import manager as mgr
 
     engine, traces = manager_setup
@@ -182,6 +183,11 @@ def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypa
     assert played == [] and _same(again, whole)
     with pytest.raises(mgr.JournalError, match="other settings \\(arms, every"):
         mgr.evaluate(engine, traces, every=3, arms=("base",), close_bias=0.0, journal=journal)
+    from dataclasses import replace
+
+    impostor = replace(traces[0], messages=[*traces[0].messages[:-1], {"role": "assistant", "content": "other"}])
+    with pytest.raises(mgr.JournalError, match=f"another trace named {traces[0].task_id}"):
+        mgr.evaluate(engine, [impostor], every=2, arms=("base",), close_bias=-1.0, journal=journal)
 
 
 def test_workers_exit_when_their_parent_is_killed():
