@@ -208,12 +208,21 @@ def summarize(t: Tally, ref: Tally) -> dict:
 Arms = dict[str, tuple[bool, float]]  # arm name → (use the adapter, close bias)
 
 
+def arm_key(use_adapter: bool, close_bias: float) -> str:
+    """An arm's name in a journal: what it computes, not what a command calls it (`adapter` in `steward eval
+    manager` and `bias 1` in `steward eval calibrate` are the same arm at bias 1)."""
+    return f"{'adapter' if use_adapter else 'base'} at close bias {float(close_bias)!r}"
+
+
 def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool = False, max_aux_tokens: int = 48,
-               keep_unread: bool = True) -> dict[str, Tally]:
-    """One trace replayed uncompressed (`"uncompressed"`) and once per arm: each its own tally."""
+               keep_unread: bool = True, reference: bool = True) -> dict[str, Tally]:
+    """One trace replayed uncompressed (`"uncompressed"`, unless `reference` is False) and once per arm: each its
+    own tally."""
     tok = engine.tokenizer
-    tallies = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
-    replay(engine, trace, every, None, tallies["uncompressed"])
+    tallies = {arm: Tally() for arm in arms}
+    if reference:
+        tallies["uncompressed"] = Tally()
+        replay(engine, trace, every, None, tallies["uncompressed"])
     for arm, (use, bias) in arms.items():
 
         def decide(s, msgs, open_c, use=use, bias=bias):
@@ -234,46 +243,61 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
 
     `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable);
     traces are independent and greedy, so the result is the serial one (merged in trace order). `journal`: a JSONL
-    file of finished traces — a rerun with the same settings (`journal_key` names what else must match, e.g. the
-    model and adapter) skips them, so a killed evaluation resumes where it stopped."""
-    settings = {"every": every, "arms": {a: list(v) for a, v in arms.items()}, "plan": plan,
-                "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
+    file of finished replays, by trace and arm — a rerun with the same settings (`journal_key` names what else must
+    match, e.g. the model and adapter) plays only what it lacks: a killed evaluation resumes where it stopped, and a
+    sweep that adds close biases plays only the new ones (the reference and the old biases are read back)."""
+    keys = {arm: arm_key(*spec) for arm, spec in arms.items()}
+    settings = {"every": every, "plan": plan, "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
                 "aux_context": engine.aux_context if engine is not None else None, **(journal_key or {})}
     done = open_journal(journal, settings) if journal else {}
+    have: dict[str, dict[str, Tally]] = {}
+    work = []  # (trace, the arms it lacks, whether it lacks the reference)
     for t in traces:
-        if t.task_id in done and done[t.task_id][0] != trace_digest(t):
+        digest, tallies = done.get(t.task_id, (trace_digest(t), {}))
+        if digest != trace_digest(t):
             raise JournalError(f"journal {journal} holds another trace named {t.task_id} (other messages): "
                                "use another journal file for these traces")
-    by_trace: dict[str, dict[str, Tally]] = {t.task_id: done[t.task_id][1] for t in traces if t.task_id in done}
-    todo = [t for t in traces if t.task_id not in by_trace]
+        have[t.task_id] = dict(tallies)
+        lacks = {arm: spec for arm, spec in arms.items() if keys[arm] not in tallies}
+        if lacks or "uncompressed" not in tallies:
+            work.append((t, lacks, "uncompressed" not in tallies))
+    needed = {"uncompressed", *keys.values()}
+
+    def complete() -> list[dict[str, Tally]]:
+        return [h for h in have.values() if needed <= h.keys()]
 
     def finished(trace: Trace, tallies: dict[str, Tally]) -> None:
-        by_trace[trace.task_id] = tallies
+        played = {keys.get(arm, arm): t for arm, t in tallies.items()}  # arm names → journal keys
+        have[trace.task_id].update(played)
         if journal:
-            append_journal(journal, trace, tallies)
+            append_journal(journal, trace, played)
         if progress:  # running totals over the traces finished so far (in any order with workers)
-            totals = {a: (sum(t[a].deleted for t in by_trace.values()), sum(t[a].harmful for t in by_trace.values()))
-                      for a in arms}
-            progress(f"trace {len(by_trace)}/{len(traces)} ({trace.task_id}): " + ", ".join(
-                f"{a} deleted {d} (harmful {h})" for a, (d, h) in totals.items()))
+            done_now = complete()
+            progress(f"trace {len(done_now)}/{len(traces)} ({trace.task_id}): " + ", ".join(
+                f"{a} deleted {sum(h[keys[a]].deleted for h in done_now)} "
+                f"(harmful {sum(h[keys[a]].harmful for h in done_now)})" for a in arms))
 
     if done and progress:
-        progress(f"journal {journal}: {len(by_trace)} of {len(traces)} traces already played")
-    args = (every, arms, plan, max_aux_tokens, keep_unread)
-    if workers > 1 and len(todo) > 1:
-        _play_in_processes(todo, args, workers, engine_factory, finished)
+        progress(f"journal {journal}: {len(traces) - len(work)} of {len(traces)} traces already played"
+                 + (f", {sum(1 for w in work if not w[2])} more in part" if work else ""))
+    common = (every, plan, max_aux_tokens, keep_unread)
+    if workers > 1 and len(work) > 1:
+        _play_in_processes(work, common, workers, engine_factory, finished)
     else:
         engine = engine if engine is not None else engine_factory()
-        for trace in todo:
-            finished(trace, play_trace(engine, trace, *args))
+        for trace, lacks, reference in work:
+            finished(trace, play_trace(engine, trace, every, lacks, plan, max_aux_tokens, keep_unread, reference))
     total = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
     for trace in traces:  # in trace order: the lists (peak, answers) come out as a serial run's
-        for arm, t in by_trace[trace.task_id].items():
-            total[arm].add(t)
+        h = have[trace.task_id]
+        total["uncompressed"].add(h["uncompressed"])
+        for arm in arms:
+            total[arm].add(h[keys[arm]])
     return total
 
 
-def _play_in_processes(traces: list[Trace], args: tuple, workers: int, engine_factory: Callable[[], Engine] | None,
+def _play_in_processes(work: list[tuple[Trace, Arms, bool]], common: tuple, workers: int,
+                       engine_factory: Callable[[], Engine] | None,
                        finished: Callable[[Trace, dict[str, Tally]], None]) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -284,9 +308,10 @@ def _play_in_processes(traces: list[Trace], args: tuple, workers: int, engine_fa
         raise ValueError("workers > 1 needs an engine_factory: each process loads its own engine")
     threads = max(1, torch.get_num_threads() // workers)
     # spawn, not fork: a forked child of a process whose OpenMP pool has run can hang
-    with ProcessPoolExecutor(min(workers, len(traces)), mp_context=multiprocessing.get_context("spawn"),
+    with ProcessPoolExecutor(min(workers, len(work)), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_worker_init, initargs=(engine_factory, threads)) as pool:
-        futures = {pool.submit(_worker_play, t, args): t for t in traces}
+        futures = {pool.submit(_worker_play, trace, lacks, reference, common): trace
+                   for trace, lacks, reference in work}
         for f in as_completed(futures):
             finished(futures[f], f.result())
 
@@ -313,8 +338,9 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _worker_play(trace: Trace, args: tuple) -> dict[str, Tally]:
-    return play_trace(_worker_engine, trace, *args)
+def _worker_play(trace: Trace, arms: Arms, reference: bool, common: tuple) -> dict[str, Tally]:
+    every, plan, max_aux_tokens, keep_unread = common
+    return play_trace(_worker_engine, trace, every, arms, plan, max_aux_tokens, keep_unread, reference)
 
 
 class JournalError(ValueError):
@@ -327,7 +353,7 @@ def trace_digest(trace: Trace) -> str:
 
 
 def open_journal(path: str | Path, settings: dict) -> dict[str, tuple[str, dict[str, Tally]]]:
-    """The traces a journal holds (task id → (trace digest, tallies by arm)); a new journal gets a header with
+    """The replays a journal holds (task id → (trace digest, tallies by `arm_key`)); a new journal gets a header with
     `settings`. A journal written under other settings is refused (naming what differs); a last line cut short by a
     crash is dropped."""
     path = Path(path)
@@ -352,8 +378,11 @@ def open_journal(path: str | Path, settings: dict) -> dict[str, tuple[str, dict[
         raise JournalError(f"journal {path} was written with other settings ({', '.join(differ)}: "
                            f"{[header.get(k) for k in differ]} there, {[settings.get(k) for k in differ]} now); "
                            "use another journal file")
-    return {row["trace"]: (row["digest"], {arm: Tally(**t) for arm, t in row["tallies"].items()})
-            for row in map(json.loads, lines[1:])}
+    out: dict[str, tuple[str, dict[str, Tally]]] = {}
+    for row in map(json.loads, lines[1:]):  # a trace's arms may come in several lines (runs that added arms)
+        out.setdefault(row["trace"], (row["digest"], {}))[1].update(
+            {arm: Tally(**t) for arm, t in row["tallies"].items()})
+    return out
 
 
 def append_journal(path: str | Path, trace: Trace, tallies: dict[str, Tally]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -164,7 +165,7 @@ def test_workers_give_the_serial_result(manager_setup):
 def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypatch):
     """A journal keeps every finished trace: a rerun plays only the missing ones and gives the uninterrupted result;
     a line cut short by a crash is played again; other settings, or another trace under a journaled name, are
-    refused."""
+    refused; a sweep that adds an arm plays only that arm."""
     from kvsteward.eval import manager as mgr
 
     engine, traces = manager_setup
@@ -176,13 +177,23 @@ def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypa
     played: list[str] = []
     real = mgr.play_trace
     monkeypatch.setattr(mgr, "play_trace", lambda e, t, *a: played.append(t.task_id) or real(e, t, *a))
+    # (the first run journaled trace 0 whole: only trace 1 is played)
     resumed = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0, journal=journal)
     assert played == [traces[1].task_id] and _same(resumed, whole)
     played.clear()
     again = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0, journal=journal)
     assert played == [] and _same(again, whole)
-    with pytest.raises(mgr.JournalError, match="other settings \\(arms, every"):
-        mgr.evaluate(engine, traces, every=3, arms=("base",), close_bias=0.0, journal=journal)
+    with pytest.raises(mgr.JournalError, match="other settings \\(every: \\[2\\] there, \\[3\\] now"):
+        mgr.evaluate(engine, traces, every=3, arms=("base",), close_bias=-1.0, journal=journal)
+    # another bias is another arm: only it is played (the reference and bias -1 are read back)
+    calls: list[tuple] = []
+    monkeypatch.setattr(mgr, "play_trace", lambda e, t, ev, arms, *a: calls.append((t.task_id, dict(arms), a[-1]))
+                        or real(e, t, ev, arms, *a))
+    sweep = mgr.play(engine, traces, 2, {"old": (False, -1.0), "new": (False, 1e4)}, journal=journal)
+    assert calls == [(t.task_id, {"new": (False, 1e4)}, False) for t in traces]
+    fresh = mgr.play(engine, traces, 2, {"old": (False, -1.0), "new": (False, 1e4)})
+    assert all(json.dumps(asdict(sweep[k])) == json.dumps(asdict(fresh[k])) for k in ("uncompressed", "old", "new"))
+    assert sweep["new"].deleted == 0 and sweep["old"].deleted > 0
     from dataclasses import replace
 
     impostor = replace(traces[0], messages=[*traces[0].messages[:-1], {"role": "assistant", "content": "other"}])
