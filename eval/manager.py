@@ -233,7 +233,7 @@ def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool 
     return tallies
 
 
-def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, plan: bool = False,
+def play(engine: Engine, traces: list[Trace], every: int, arms: Arms, plan: bool = False,
          max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
          keep_unread: bool = True, workers: int = 1, engine_factory: Callable[[], Engine] | None = None,
          journal: str | Path | None = None, journal_key: dict | None = None) -> dict[str, Tally]:
@@ -241,20 +241,22 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
     arm, plus `"uncompressed"`: the reference every arm is scored against (played once per trace, whatever the number
     of arms).
 
-    `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable);
-    traces are independent and greedy, so the result is the serial one (merged in trace order). `journal`: a JSONL
+    `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable;
+    it builds what `engine` is); traces are independent and greedy, so the result is the serial one (merged in trace
+    order). `journal`: a JSONL
     file of finished replays, by trace and arm — a rerun with the same settings (`journal_key` names what else must
     match, e.g. the model and adapter) plays only what it lacks: a killed evaluation resumes where it stopped, and a
     sweep that adds close biases plays only the new ones (the reference and the old biases are read back)."""
     keys = {arm: arm_key(*spec) for arm, spec in arms.items()}
     settings = {"every": every, "plan": plan, "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
-                "aux_context": engine.aux_context if engine is not None else None, **(journal_key or {})}
+                "aux_context": engine.aux_context, **(journal_key or {})}
     done = open_journal(journal, settings) if journal else {}
+    digests = {t.task_id: trace_digest(t) for t in traces}
     have: dict[str, dict[str, Tally]] = {}
     work = []  # (trace, the arms it lacks, whether it lacks the reference)
     for t in traces:
-        digest, tallies = done.get(t.task_id, (trace_digest(t), {}))
-        if digest != trace_digest(t):
+        digest, tallies = done.get(t.task_id, (digests[t.task_id], {}))
+        if digest != digests[t.task_id]:
             raise JournalError(f"journal {journal} holds another trace named {t.task_id} (other messages): "
                                "use another journal file for these traces")
         have[t.task_id] = dict(tallies)
@@ -270,7 +272,7 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
         played = {keys.get(arm, arm): t for arm, t in tallies.items()}  # arm names → journal keys
         have[trace.task_id].update(played)
         if journal:
-            append_journal(journal, trace, played)
+            append_journal(journal, trace.task_id, digests[trace.task_id], played)
         if progress:  # running totals over the traces finished so far (in any order with workers)
             done_now = complete()
             progress(f"trace {len(done_now)}/{len(traces)} ({trace.task_id}): " + ", ".join(
@@ -284,7 +286,6 @@ def play(engine: Engine | None, traces: list[Trace], every: int, arms: Arms, pla
     if workers > 1 and len(work) > 1:
         _play_in_processes(work, common, workers, engine_factory, finished)
     else:
-        engine = engine if engine is not None else engine_factory()
         for trace, lacks, reference in work:
             finished(trace, play_trace(engine, trace, every, lacks, plan, max_aux_tokens, keep_unread, reference))
     total = {"uncompressed": Tally(), **{arm: Tally() for arm in arms}}
@@ -385,9 +386,9 @@ def open_journal(path: str | Path, settings: dict) -> dict[str, tuple[str, dict[
     return out
 
 
-def append_journal(path: str | Path, trace: Trace, tallies: dict[str, Tally]) -> None:
-    """One finished trace, flushed to disk before the next starts."""
-    row = {"trace": trace.task_id, "digest": trace_digest(trace), "tallies": {a: asdict(t) for a, t in tallies.items()}}
+def append_journal(path: str | Path, task_id: str, digest: str, tallies: dict[str, Tally]) -> None:
+    """One finished trace (`digest`: its `trace_digest`), flushed to disk before the next starts."""
+    row = {"trace": task_id, "digest": digest, "tallies": {a: asdict(t) for a, t in tallies.items()}}
     with Path(path).open("a") as f:
         f.write(json.dumps(row) + "\n")
         f.flush()

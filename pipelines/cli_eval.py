@@ -204,8 +204,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
     for the base model and the adapter as memory manager, on held-out traces."""
-    from kvsteward.eval.manager import JournalError, evaluate
-    from kvsteward.serve.engine import Engine
+    from kvsteward.eval.manager import JournalError, evaluate, load_engine
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
@@ -215,9 +214,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     _check_parallel(workers, journal)
     trs = _traces(data, traces, split, limit)
     with console.status(f"loading {model} ..."):
-        engine = Engine.load(model, adapter=str(adapter) if adapter else None)
-    if aux_context is not None:
-        engine.aux_context = aux_context
+        engine = load_engine(model, str(adapter) if adapter else None, aux_context)
     arms = (("base",) if base else ()) + (("adapter",) if adapter else ())
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0

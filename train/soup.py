@@ -89,4 +89,4 @@ def soup(adapters: Sequence[str | Path], out: str | Path, model: str = "smollm2"
         if out.exists():
             out.rmdir()
         shutil.move(str(built), str(out))
-    return {"adapter_dir": str(out), "rank": json.loads((out / "adapter_config.json").read_text())["r"], **meta}
+    return {"adapter_dir": str(out), "rank": peft_model.peft_config["soup"].r, **meta}
