@@ -37,7 +37,8 @@ def lora(
     save_steps: int = typer.Option(50, help="checkpoint every N steps"),
     seed: int = typer.Option(0, help="seed for LoRA init, data order, dropout"),
     tile_rows: int = typer.Option(1024, help="LM-head rows per tile in the loss (memory bound for big vocabularies)"),
-    bf16: bool = typer.Option(False, help="bf16 mixed precision (GPUs)"),
+    lora_dropout: float = typer.Option(0.05, help="dropout on the LoRA branch's input (0 = none: faster on a CPU)"),
+    bf16: bool = typer.Option(False, help="bf16 mixed precision (autocast; runs on a CPU, measured slower there)"),
     top_layers: int = typer.Option(0, help="LoRA only in the top N decoder layers (faster step); 0 = all"),
     max_minutes: float = typer.Option(0.0, help="stop (and save) after this many minutes of training; 0 = no limit"),
     hard_weight: int = typer.Option(1, help="repeat each hard deletion row (a read cursor still needed) N times"),
@@ -65,7 +66,8 @@ def lora(
     from kvsteward.train.lora import LoraRunConfig, QuantizedModelError, is_main_process, train_lora
 
     cfg = LoraRunConfig(data=str(data), out=str(out), model=model, max_steps=max_steps, lr=lr, rank=rank, alpha=alpha,
-                        lambda_kl=lambda_kl, batch_size=batch_size, grad_accum=grad_accum, max_len=max_len,
+                        lambda_kl=lambda_kl, dropout=lora_dropout, batch_size=batch_size, grad_accum=grad_accum,
+                        max_len=max_len,
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
                         bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
                         hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,

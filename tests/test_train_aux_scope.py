@@ -141,6 +141,48 @@ def test_aux_scope_backpropagates_and_averages_over_target_tokens(tmp_path, tok)
     assert zero.item() == 0.0 and zero.requires_grad
 
 
+def test_rows_sharing_a_context_reuse_its_cache_exactly(tmp_path, tok):
+    """Rows cut to the same first message run their context through the base model once: loss and LoRA gradients
+    equal those of a trainer that recomputes it per row (reuse off), the reused cache is not changed by the aux
+    forwards that extend it (a second batch gives the same numbers), and a different context is recomputed."""
+    model, cfg = _moved_lora(tok, tmp_path)
+    g = random.Random(2)
+    ctx = [g.randrange(5, len(tok) - 1) for _ in range(9)]
+    rows = []
+    for n in (6, 10):
+        own = [g.randrange(5, len(tok) - 1) for _ in range(n)]
+        rows.append({"input_ids": ctx + own, "labels": [-100] * (len(ctx) + n - 3) + own[-3:], "is_aux": True,
+                     "fork_at": len(ctx)})
+    batch = Collator(pad_id=0)(rows)
+
+    def run(trainer):
+        calls = []
+        hook = model.get_base_model().model.register_forward_hook(lambda *a: calls.append(1))
+        model.zero_grad()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        hook.remove()
+        grads = {n_: w.grad.clone() for n_, w in model.named_parameters() if w.requires_grad}
+        return loss.detach(), grads, len(calls)
+
+    reusing = _trainer(model, cfg, tmp_path, "aux")
+    fresh = _trainer(model, cfg, tmp_path / "fresh", "aux")
+    fresh._share_trunk = False  # the base counts as possibly random: every context is recomputed
+    (l1, g1, c1), (l2, g2, c2), (l0, g0, c0) = run(reusing), run(reusing), run(fresh)
+    assert (c1, c2, c0) == (3, 2, 4)  # 2 aux forwards + 1 context forward, then the context from the cache
+    assert torch.allclose(l1, l0, rtol=1e-6) and torch.allclose(l2, l0, rtol=1e-6)
+    for name, grad in g0.items():
+        assert torch.allclose(g1[name], grad, rtol=1e-5, atol=1e-7), name
+        assert torch.allclose(g2[name], grad, rtol=1e-5, atol=1e-7), name
+    other = [{**rows[0], "input_ids": [ctx[0] + 1] + rows[0]["input_ids"][1:]}]
+    calls = []
+    hook = model.get_base_model().model.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        reusing.compute_loss(model, Collator(pad_id=0)(other))
+    hook.remove()
+    assert len(calls) == 2
+
+
 def test_aux_rows_without_a_fork_point_are_refused():
     ok = Dataset.from_list([{"input_ids": [1, 2], "labels": [-100, 2], "is_aux": True, "fork_at": 1},
                             {"input_ids": [1, 2], "labels": [-100, 2], "is_aux": False, "fork_at": 0}])

@@ -49,6 +49,8 @@ def test_missing_dataset_and_bad_options_are_named(files):
     assert res.exit_code == 2 and "raise --max-len" in res.stderr
     res = _run(files, "--model", str(files / "tiny"), "--hard-weight", "0")
     assert res.exit_code == 2 and "hard_weight must be ≥ 1" in res.stderr
+    res = _run(files, "--model", str(files / "tiny"), "--lora-dropout", "1")
+    assert res.exit_code == 2 and "lora dropout must be in [0, 1)" in res.stderr
     res = _run(files, "--model", str(files / "tiny"), "--skip-trivial")  # random ids: no deletion rows to weigh
     assert res.exit_code == 2 and "need the hindsight columns" in res.stderr
     res = _run(files, "--model", str(files / "tiny"), "--keep-best")

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 
 def _trainer(tmp_path, max_steps: int = 3, lr: float = 1e-2, lambda_kl: float = 1.0, tile_rows: int = 1024,
-             head_scale: float = 1.0):
+             head_scale: float = 1.0, bf16: bool = False):
     base = tiny_model(seed=0)
     with torch.no_grad():
         # The random head (std 0.02) caps every logit near ±1.3, hence P(any token) ≤ ~1.4 %: scale it for a
@@ -27,7 +27,7 @@ def _trainer(tmp_path, max_steps: int = 3, lr: float = 1e-2, lambda_kl: float = 
         base.lm_head.weight.mul_(head_scale)
     pristine = copy.deepcopy(base)
     cfg = LoraRunConfig(data="-", out=str(tmp_path), rank=8, alpha=16, dropout=0.0, max_steps=max_steps, lr=lr,
-                        batch_size=4, save_steps=1000)
+                        batch_size=4, save_steps=1000, bf16=bf16)
     model = wrap_lora(base, cfg)
     ds = random_ids_dataset(rows=40, seed=1)["train"]
     trainer = StewardTrainer(model=model, args=training_args(cfg, tmp_path / "ck"), train_dataset=ds,
@@ -168,6 +168,20 @@ def test_ce_on_aux_targets_decreases_and_parts_are_logged(tmp_path):
 
 def test_head_mismatch_is_refused(tmp_path):
     trainer, model, _, ds = _trainer(tmp_path)
+    other = torch.nn.Linear(64, 256, bias=False)
+    trainer._head = lambda: other
+    with pytest.raises(HeadMismatchError, match="lm_head"):
+        trainer.compute_loss(model, _mixed_batch(ds))
+
+
+def test_bf16_mixed_precision_trains_and_still_checks_the_head(tmp_path):
+    """`--bf16` without a GPU runs under CPU autocast (transformers refuses bf16 there unless told `use_cpu`); the
+    head check compares an autocast forward with an fp32 recomputation, so it must allow bf16 rounding and still
+    refuse a head that is not the model's."""
+    trainer, model, _, ds = _trainer(tmp_path, max_steps=3, bf16=True)
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer._head_checked
+    trainer, model, _, ds = _trainer(tmp_path / "other", bf16=True)
     other = torch.nn.Linear(64, 256, bias=False)
     trainer._head = lambda: other
     with pytest.raises(HeadMismatchError, match="lm_head"):

@@ -75,6 +75,8 @@ class LoraRunConfig:
             bad.append(f"lr must be > 0 (got {self.lr})")
         if self.top_layers < 0:
             bad.append(f"top_layers must be ≥ 0 (got {self.top_layers})")
+        if not 0 <= self.dropout < 1:
+            bad.append(f"lora dropout must be in [0, 1) (got {self.dropout})")
         if self.hard_weight < 1:
             bad.append(f"hard_weight must be ≥ 1 (got {self.hard_weight})")
         if self.max_minutes < 0:
@@ -205,6 +207,9 @@ def training_args(cfg: LoraRunConfig, ckpt_dir: Path):
         prepare_launch_env()
         if init_cpu_state():
             extra["accelerator_config"] = {"use_configured_state": True}
+    if cfg.bf16 and ds is None and not torch.cuda.is_available():
+        # CPU autocast to bf16: transformers refuses bf16 without a GPU unless told the run is on the CPU.
+        extra["use_cpu"] = True
     return TrainingArguments(
         output_dir=str(ckpt_dir), max_steps=cfg.max_steps, learning_rate=cfg.lr,
         per_device_train_batch_size=cfg.batch_size, per_device_eval_batch_size=cfg.batch_size,
