@@ -245,8 +245,8 @@ class StewardTrainer(Trainer):
         context (`--aux-context first` cuts every row to the same first message) reuse the last one, copied because
         the aux forward appends to it. Never under DeepSpeed: ZeRO-3 gathers parameters collectively, and a rank that
         skipped a forward its peers make would deadlock them."""
-        key = (tuple(ids.tolist()), tuple(pos.tolist()), allowed.cpu().numpy().tobytes())
         reuse = self._share_trunk and not self.is_deepspeed_enabled
+        key = (tuple(ids.tolist()), tuple(pos.tolist()), allowed.cpu().numpy().tobytes()) if reuse else None
         if reuse and self._last_context is not None and self._last_context[0] == key:
             return copy.deepcopy(self._last_context[1])
         with torch.no_grad(), self._peft().disable_adapter():
