@@ -39,6 +39,8 @@ def lora(
     tile_rows: int = typer.Option(1024, help="LM-head rows per tile in the loss (memory bound for big vocabularies)"),
     lora_dropout: float = typer.Option(0.05, help="dropout on the LoRA branch's input (0 = none: faster on a CPU)"),
     bf16: bool = typer.Option(False, help="bf16 mixed precision (autocast; runs on a CPU, measured slower there)"),
+    base_dtype: str = typer.Option("float32", help="float32 | bfloat16: the frozen base weights (bf16: faster on a "
+                                   "CPU with AMX or a GPU; LoRA weights and optimizer stay float32)"),
     top_layers: int = typer.Option(0, help="LoRA only in the top N decoder layers (faster step); 0 = all"),
     max_minutes: float = typer.Option(0.0, help="stop (and save) after this many minutes of training; 0 = no limit"),
     hard_weight: int = typer.Option(1, help="repeat each hard deletion row (a read cursor still needed) N times"),
@@ -69,7 +71,7 @@ def lora(
                         lambda_kl=lambda_kl, dropout=lora_dropout, batch_size=batch_size, grad_accum=grad_accum,
                         max_len=max_len,
                         deepspeed=deepspeed, resume=resume, save_steps=save_steps, seed=seed, tile_rows=tile_rows,
-                        bf16=bf16, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
+                        bf16=bf16, base_dtype=base_dtype, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
                         hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,
                         aux_context=aux_context, eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best,
                         best_metric=best_metric)

@@ -99,6 +99,41 @@ def test_top_layers_adapts_only_the_top_decoder_layers(setup, tmp_path):
         train_lora(setup("bad", top_layers=n_layers + 1, mlflow=False))
 
 
+class Watch(TrainerCallback):
+    """Records the dtypes of the frozen and of the trainable parameters, and the loss of every step."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        params = list(model.parameters())
+        self.frozen = {p.dtype for p in params if not p.requires_grad}
+        self.trainable = {p.dtype for p in params if p.requires_grad}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+def test_bfloat16_base_trains_a_float32_adapter_that_learns_as_the_float32_run(setup):
+    bf, fp = Watch(), Watch()
+    run_bf = train_lora(setup("bf", base_dtype="bfloat16", max_steps=12, mlflow=False, callbacks=[bf]))
+    run_fp = train_lora(setup("fp", max_steps=12, mlflow=False, callbacks=[fp]))
+    assert bf.frozen == {torch.bfloat16} and bf.trainable == {torch.float32}
+    assert fp.frozen == fp.trainable == {torch.float32}
+    a, b = (load_file(f"{r.adapter_dir}/adapter_model.safetensors") for r in (run_bf, run_fp))
+    assert a.keys() == b.keys() and all(a[k].dtype == torch.float32 for k in a)
+    # Same seed and rows: only the base's rounding differs. The first loss is the base model's in either precision;
+    # the bf16-base run must learn about as much as the float32 one (a LoRA branch lost to a cast would not).
+    assert bf.losses[0] == pytest.approx(fp.losses[0], rel=0.02)
+    learned_bf, learned_fp = bf.losses[0] - min(bf.losses[-3:]), fp.losses[0] - min(fp.losses[-3:])
+    assert learned_fp > 0.3 and learned_bf > 0.7 * learned_fp, (bf.losses, fp.losses)
+    for bad, match in ((dict(base_dtype="float16"), "base_dtype must be one of"),
+                       (dict(base_dtype="bfloat16", deepspeed="zero2"), "under DeepSpeed use --bf16")):
+        with pytest.raises(ValueError, match=match):
+            train_lora(setup("bad", mlflow=False, **bad))
+
+
 # -- validation during training (`--eval-rows`, `--keep-best`) ---------------------------------------------------------
 
 class Damage(TrainerCallback):

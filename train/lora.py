@@ -26,6 +26,10 @@ from kvsteward.train.data import (
     weigh_delete_rows,
 )
 
+# `--base-dtype`: the frozen base model's weights. bfloat16 halves their memory and, on CPUs with AMX (or any GPU),
+# runs the frozen matmuls at bf16 speed; the LoRA weights, their gradients and the optimizer stay float32 (peft keeps
+# adapter weights in float32 and casts the input of the LoRA branch to them).
+BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BEST_METRICS = ("loss", "f1")  # `--best-metric`: what `--keep-best` chooses the delivered checkpoint by
 
 
@@ -53,6 +57,7 @@ class LoraRunConfig:
     seed: int = 0
     tile_rows: int = 1024
     bf16: bool = False
+    base_dtype: str = "float32"  # float32 | bfloat16: the frozen base weights (BASE_DTYPES)
     top_layers: int = 0  # LoRA only in the top N decoder layers; 0 = all
     max_minutes: float = 0.0  # wall-clock training budget of this process; 0 = none (stop at max_steps)
     hard_weight: int = 1  # repeat each `hard` deletion row this many times (`train.data.weigh_delete_rows`)
@@ -73,6 +78,11 @@ class LoraRunConfig:
                ("max_steps", "rank", "batch_size", "grad_accum", "save_steps", "tile_rows") if getattr(self, k) < 1]
         if self.lr <= 0:
             bad.append(f"lr must be > 0 (got {self.lr})")
+        if self.base_dtype not in BASE_DTYPES:
+            bad.append(f"base_dtype must be one of {tuple(BASE_DTYPES)} (got {self.base_dtype!r})")
+        elif self.base_dtype != "float32" and self.deepspeed != "none":
+            # ZeRO shards and casts parameters by its own precision config; a second precision knob would fight it.
+            bad.append("base_dtype bfloat16 is for single-process runs; under DeepSpeed use --bf16")
         if self.top_layers < 0:
             bad.append(f"top_layers must be ≥ 0 (got {self.top_layers})")
         if not 0 <= self.dropout < 1:
@@ -291,7 +301,7 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
         log(f"validation: {len(val)} aux rows of the 'validation' split, scored every "
             f"{cfg.eval_steps or cfg.save_steps} steps"
             f"{f' (the best checkpoint by {cfg.best_metric} is delivered)' if cfg.keep_best else ''}")
-    base, tokenizer, path = load_base(cfg.model)
+    base, tokenizer, path = load_base(cfg.model, BASE_DTYPES[cfg.base_dtype])
     check_vocab(train, base.config.vocab_size)
     if val is not None:
         check_vocab(val, base.config.vocab_size)
