@@ -26,9 +26,9 @@ from kvsteward.train.data import (
     weigh_delete_rows,
 )
 
-# `--base-dtype`: the frozen base model's weights. bfloat16 halves their memory and, on CPUs with AMX (or any GPU),
-# runs the frozen matmuls at bf16 speed; the LoRA weights, their gradients and the optimizer stay float32 (peft keeps
-# adapter weights in float32 and casts the input of the LoRA branch to them).
+# `--base-dtype`: the frozen base model's weights. bfloat16 halves their memory (what lets a bigger base fit); the
+# LoRA weights, their gradients and the optimizer stay float32 (peft keeps adapter weights in float32 and casts the
+# LoRA branch's input to them). Not a speed-up on the aux rows on a CPU: those casts outweigh the faster matmuls.
 BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BEST_METRICS = ("loss", "f1")  # `--best-metric`: what `--keep-best` chooses the delivered checkpoint by
 
