@@ -205,13 +205,16 @@ def summarize(t: Tally, ref: Tally) -> dict:
     return out
 
 
-Arms = dict[str, tuple[bool, float]]  # arm name → (use the adapter, close bias)
+# arm name → (use the adapter, close bias[, min confidence]): the aux decode an arm replays; without a min
+# confidence (or None) the greedy list
+Arms = dict[str, tuple[bool, float] | tuple[bool, float, float | None]]
 
 
-def arm_key(use_adapter: bool, close_bias: float) -> str:
+def arm_key(use_adapter: bool, close_bias: float, min_confidence: float | None = None) -> str:
     """An arm's name in a journal: what it computes, not what a command calls it (`adapter` in `steward eval
     manager` and `bias 1` in `steward eval calibrate` are the same arm at bias 1)."""
-    return f"{'adapter' if use_adapter else 'base'} at close bias {float(close_bias)!r}"
+    key = f"{'adapter' if use_adapter else 'base'} at close bias {float(close_bias)!r}"
+    return key if min_confidence is None else f"{key}, min confidence {float(min_confidence)!r}"
 
 
 def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool = False, max_aux_tokens: int = 48,
@@ -223,11 +226,11 @@ def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool 
     if reference:
         tallies["uncompressed"] = Tally()
         replay(engine, trace, every, None, tallies["uncompressed"])
-    for arm, (use, bias) in arms.items():
+    for arm, (use, bias, *conf) in arms.items():
 
-        def decide(s, msgs, open_c, use=use, bias=bias):
+        def decide(s, msgs, open_c, use=use, bias=bias, conf=conf[0] if conf else None):
             return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
-                           keep_unread=keep_unread)
+                           keep_unread=keep_unread, min_confidence=conf)
 
         replay(engine, trace, every, decide, tallies[arm], _planner(engine, use, 96) if plan else None)
     return tallies
@@ -237,16 +240,16 @@ def play(engine: Engine, traces: list[Trace], every: int, arms: Arms, plan: bool
          max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
          keep_unread: bool = True, workers: int = 1, engine_factory: Callable[[], Engine] | None = None,
          journal: str | Path | None = None, journal_key: dict | None = None) -> dict[str, Tally]:
-    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias). The tallies by
-    arm, plus `"uncompressed"`: the reference every arm is scored against (played once per trace, whatever the number
-    of arms).
+    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias[, min
+    confidence]). The tallies by arm, plus `"uncompressed"`: the reference every arm is scored against (played once
+    per trace, whatever the number of arms).
 
     `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable;
-    it builds what `engine` is); traces are independent and greedy, so the result is the serial one (merged in trace
-    order). `journal`: a JSONL
-    file of finished replays, by trace and arm — a rerun with the same settings (`journal_key` names what else must
-    match, e.g. the model and adapter) plays only what it lacks: a killed evaluation resumes where it stopped, and a
-    sweep that adds close biases plays only the new ones (the reference and the old biases are read back)."""
+    it builds what `engine` is); traces are independent and their decodes deterministic, so the result is the serial
+    one (merged in trace order). `journal`: a JSONL file of finished replays, by trace and arm — a rerun with the same
+    settings (`journal_key` names what else must match, e.g. the model and adapter) plays only what it lacks: a
+    killed evaluation resumes where it stopped, and a sweep that adds close biases or confidence thresholds plays
+    only the new ones (the reference and the old arms are read back)."""
     keys = {arm: arm_key(*spec) for arm, spec in arms.items()}
     settings = {"every": every, "plan": plan, "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
                 "aux_context": engine.aux_context, **(journal_key or {})}
@@ -412,15 +415,18 @@ def load_engine(model: str, adapter: str | None = None, aux_context: str | None 
 
 def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
              plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
-             close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True, **parallel) -> dict:
+             close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True,
+             min_confidence: float | None | dict[str, float | None] = None, **parallel) -> dict:
     """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
-    `close_bias`, `keep_unread`: the serving knobs of `AuxConfig` (nats toward closing the deletion list; never
-    delete a tool response not read yet), for both arms; `close_bias` may also map each arm to its own.
+    `close_bias`, `keep_unread`, `min_confidence`: the serving knobs of `AuxConfig` (nats toward closing the deletion
+    list; never delete a tool response not read yet; delete only ids listed with this probability, None: the greedy
+    list), for both arms; `close_bias` and `min_confidence` may also map each arm to its own.
     `parallel`: `workers`, `engine_factory`, `journal`, `journal_key` of `play`."""
     bias = close_bias if isinstance(close_bias, dict) else dict.fromkeys(arms, close_bias)
-    tallies = play(engine, traces, every, {arm: (arm == "adapter", bias[arm]) for arm in arms}, plan,
+    conf = min_confidence if isinstance(min_confidence, dict) else dict.fromkeys(arms, min_confidence)
+    tallies = play(engine, traces, every, {arm: (arm == "adapter", bias[arm], conf[arm]) for arm in arms}, plan,
                    max_aux_tokens, progress, keep_unread, **parallel)
     ref = tallies["uncompressed"]
     return {**{arm: summarize(tallies[arm], ref) for arm in arms}, "uncompressed": reference(ref),
-            "n_traces": len(traces), "every": every, "close_bias": close_bias,
+            "n_traces": len(traces), "every": every, "close_bias": close_bias, "min_confidence": min_confidence,
             "keep_unread": keep_unread, "aux_context": engine.aux_context}

@@ -114,11 +114,11 @@ ADAPTER_META = "kvsteward.json"  # beside adapter_config.json: how the manager w
 
 def adapter_meta(adapter: str | Path) -> dict:
     """What `steward train lora` recorded about an adapter: `{"trigger": ..., "adapter_scope": ...,
-    "aux_context": ...}`, and `close_bias` once `steward eval calibrate` chose one. An adapter without the file
-    predates it and was trained on the `ids` trigger; one without `aux_context` on the full context; one without
-    `close_bias` is served at 0 (plain greedy)."""
+    "aux_context": ...}`, and `close_bias`, `min_confidence` once `steward eval calibrate` chose them. An adapter
+    without the file predates it and was trained on the `ids` trigger; one without `aux_context` on the full context;
+    one without `close_bias` is served at 0, one without `min_confidence` by the greedy list."""
     path = Path(adapter).expanduser() / ADAPTER_META
-    return {"trigger": "ids", "aux_context": "full", "close_bias": 0.0,
+    return {"trigger": "ids", "aux_context": "full", "close_bias": 0.0, "min_confidence": None,
             **(json.loads(path.read_text()) if path.is_file() else {})}
 
 

@@ -198,11 +198,21 @@ def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
         gap: float = typer.Option(0.5, help="the agent's tool time between turns, seconds (the aux runs here)"),
         max_tokens: int = typer.Option(16, help="reply tokens per main turn"),
         aux_max_tokens: int = typer.Option(24, help="decode budget of one aux decision"),
+        aux_min_confidence: float = typer.Option(None, help="the aux confidence rule's threshold (0: the greedy "
+                                                            "list); default: the adapter's calibrated rule"),
         as_json: bool = typer.Option(False, "--json")) -> None:
     """Main-turn latency with the aux memory-manager thread on vs off, interleaved in one run (target ratio ≤ 1.05)."""
     from kvsteward.serve import checks
+    from kvsteward.serve.aux import check_min_confidence
     from kvsteward.serve.engine import Engine
 
+    try:
+        conf = check_min_confidence(aux_min_confidence or None)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     with console.status(f"loading {model} ..."):
         eng = Engine.load(model, adapter=adapter or None)
-    _emit(checks.bench_aux(eng, turns, every, gap, max_tokens, aux_max_tokens, progress=_progress), as_json)
+    if aux_min_confidence is None:
+        conf = eng.min_confidence
+    _emit(checks.bench_aux(eng, turns, every, gap, max_tokens, aux_max_tokens, progress=_progress,
+                           min_confidence=conf), as_json)

@@ -125,6 +125,19 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                          | {"mlflow_run_id": result.get("mlflow_run_id")}))
 
 
+def _min_confidence(value: float | None, flag: str) -> float | None:
+    """A confidence option as the aux knob: None stays None (not given), 0 is the greedy list (None), (0, 1] a
+    probability; anything else refused by name before the model loads."""
+    from kvsteward.serve.aux import check_min_confidence
+
+    if value is None or value == 0:
+        return None
+    try:
+        return check_min_confidence(value)
+    except ValueError as e:
+        raise typer.BadParameter(f"{flag} must be a probability in (0, 1] or 0 (the greedy list), got {value}") from e
+
+
 def _check_aux_context(aux_context: str | None) -> None:
     from kvsteward.synth.hindsight import check_aux_context
 
@@ -190,6 +203,11 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
                                                               "--aux-close-bias): > 0 deletes less, fewer harmful "
                                                               "deletions; default: the adapter's calibrated bias "
                                                               "(`steward eval calibrate`), 0 without one"),
+            min_confidence: float | None = typer.Option(None, help="delete only the ids the manager lists with at "
+                                                                  "least this probability (serving's "
+                                                                  "--aux-min-confidence; 0: the greedy list); "
+                                                                  "default: the adapter's calibrated rule, greedy "
+                                                                  "without one"),
             delete_unread: bool = typer.Option(False, "--delete-unread",
                                                help="let the manager delete tool responses not read yet (serving's "
                                                     "--aux-delete-unread; default: never)"),
@@ -208,6 +226,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
+    conf_given = _min_confidence(min_confidence, "--min-confidence")
     if not base and adapter is None:
         raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR")
     _check_aux_context(aux_context)
@@ -219,9 +238,12 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
             for arm in arms}
+    conf = {arm: conf_given if min_confidence is not None else engine.min_confidence if arm == "adapter" else None
+            for arm in arms}
     try:
         result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=bias,
-                          keep_unread=not delete_unread, **_parallel(model, adapter, engine, workers, journal))
+                          keep_unread=not delete_unread, min_confidence=conf,
+                          **_parallel(model, adapter, engine, workers, journal))
     except JournalError as e:
         raise typer.BadParameter(str(e)) from e
     if mlflow_log:
@@ -233,6 +255,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
                                "every": every, "traces": len(trs),
                                **{f"{arm}.close_bias": bias[arm] for arm in arms},
+                               **{f"{arm}.min_confidence": conf[arm] for arm in arms if conf[arm] is not None},
                                "keep_unread": not delete_unread, "aux_context": engine.aux_context})
             mlflow.log_metrics(_numeric_metrics({arm: result[arm] for arm in arms}))
             mlflow.log_dict(result, "manager_eval.json")
@@ -250,6 +273,9 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
               every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
               limit: int = typer.Option(40, help="at most this many traces"),
               biases: str = typer.Option("0,0.5,1,2", help="comma-separated close biases to try (nats)"),
+              confidences: str = typer.Option("", help="comma-separated thresholds of the confidence rule to try "
+                                                       "too (at bias 0: delete the ids listed with at least this "
+                                                       "probability; serving's --aux-min-confidence), e.g. 0.8,0.9"),
               max_harm: float = typer.Option(0.02, help="target: harmful deletions / deletions at most this"),
               min_f1: float = typer.Option(0.8, help="target: deletion F1 at least this"),
               delete_unread: bool = typer.Option(False, "--delete-unread",
@@ -265,11 +291,11 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                                                                    "command to resume after a crash"),
               mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the sweep to MLflow"),
               as_json: bool = typer.Option(False, "--json")) -> None:
-    """Choose the aux close bias on held-out traces: the adapter as memory manager at every bias (all against one
-    uncompressed replay per trace); the highest F1 with harmful rate <= --max-harm and F1 >= --min-f1 (else the
-    lowest harmful rate, reported as not met); recorded in the adapter for `steward serve` and `steward eval
-    manager`."""
-    from kvsteward.eval.calibrate import check_biases, choose, record, sweep
+    """Choose the aux close bias (or confidence threshold) on held-out traces: the adapter as memory manager at every
+    bias and threshold (all against one uncompressed replay per trace); the highest F1 with harmful rate <=
+    --max-harm and F1 >= --min-f1 (else the lowest harmful rate, reported as not met); recorded in the adapter for
+    `steward serve` and `steward eval manager`."""
+    from kvsteward.eval.calibrate import check_biases, check_confidences, choose, record, sweep
     from kvsteward.eval.manager import JournalError
     from kvsteward.models import ModelNotFound, check_adapter
     from kvsteward.serve.engine import Engine
@@ -279,6 +305,11 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     except ValueError as e:
         raise typer.BadParameter(f"--biases must be comma-separated finite numbers of nats, got {biases!r} "
                                  f"({e})") from e
+    try:
+        conf_list = check_confidences([float(x) for x in confidences.split(",") if x.strip()])
+    except ValueError as e:
+        raise typer.BadParameter(f"--confidences must be comma-separated probabilities in (0, 1], got "
+                                 f"{confidences!r} ({e})") from e
     try:
         check_adapter(str(adapter))
     except ModelNotFound as e:
@@ -298,12 +329,15 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
         engine.aux_context = aux_context
     try:
         result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log,
+                       confidences=conf_list,
                        **_parallel(model, adapter, engine, workers, journal))
     except JournalError as e:
         raise typer.BadParameter(str(e)) from e
-    choice = choose(result["by_bias"], max_harm, min_f1)
-    out = {"close_bias": choice.close_bias, "met": choice.met, "reason": choice.reason, "adapter_dir": str(adapter),
-           "split": split, **result, "by_bias": {str(b): s for b, s in result["by_bias"].items()}, "written": write}
+    choice = choose(result["by_bias"], max_harm, min_f1, result["by_confidence"])
+    out = {"close_bias": choice.close_bias, "min_confidence": choice.min_confidence, "chosen": choice.name,
+           "met": choice.met, "reason": choice.reason, "adapter_dir": str(adapter), "split": split, **result,
+           "by_bias": {str(b): s for b, s in result["by_bias"].items()},
+           "by_confidence": {str(c): s for c, s in result["by_confidence"].items()}, "written": write}
     if write:
         record(adapter, choice, result, split, max_harm, min_f1)
         if engine.aux_context != recorded_context:
@@ -318,10 +352,13 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
         with stage_run("manager-calibrate") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter), "data": str(data), "split": split,
                                "every": every, "traces": len(trs), "biases": ",".join(f"{b:g}" for b in bias_list),
+                               "confidences": ",".join(f"{c:g}" for c in conf_list),
+                               "chosen_min_confidence": choice.min_confidence,
                                "max_harm": max_harm, "min_f1": min_f1, "keep_unread": not delete_unread,
                                "aux_context": engine.aux_context, "chosen_close_bias": choice.close_bias,
                                "met": choice.met})
-            mlflow.log_metrics(_numeric_metrics({f"bias_{b:g}": s for b, s in result["by_bias"].items()}))
+            mlflow.log_metrics(_numeric_metrics({f"bias_{b:g}": s for b, s in result["by_bias"].items()}
+                                                | {f"confidence_{c:g}": s for c, s in result["by_confidence"].items()}))
             mlflow.log_dict(out, "manager_calibrate.json")
         out["mlflow_run_id"] = run.info.run_id
     print(json.dumps(out)) if as_json else console.print_json(json.dumps(out))

@@ -45,6 +45,11 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                                           "less and more surely (fewer harmful deletions); default: "
                                                           "the adapter's calibrated bias (`steward eval calibrate`), "
                                                           "0 without one"),
+          aux_min_confidence: float = typer.Option(None, help="delete only the ids the aux lists with at least this "
+                                                              "probability (a decode over its branches; 0: the "
+                                                              "greedy list); default: the adapter's calibrated rule "
+                                                              "(`steward eval calibrate --confidences`), greedy "
+                                                              "without one"),
           aux_delete_unread: bool = typer.Option(False, "--aux-delete-unread",
                                                  help="let the aux delete tool responses the agent has not read yet "
                                                       "(default: never; the step after a boundary reads them)"),
@@ -82,7 +87,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                  f"got {spill_tier!r}")
     if aux_max_wait is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-max-wait needs a manager: --adapter DIR (or --aux-base for the base model)")
-    for flag, on in (("--aux-close-bias", aux_close_bias), ("--aux-delete-unread", aux_delete_unread)):
+    for flag, on in (("--aux-close-bias", aux_close_bias), ("--aux-delete-unread", aux_delete_unread),
+                     ("--aux-min-confidence", aux_min_confidence is not None)):
         if on and adapter is None and not aux_base:
             raise typer.BadParameter(f"{flag} needs a manager: --adapter DIR (or --aux-base for the base model)")
     if aux_context is not None and adapter is None and not aux_base:
@@ -101,7 +107,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         aux = AuxConfig(every=4 if aux_every is None else aux_every, max_tokens=aux_max_tokens,
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
                         max_wait=aux_max_wait, close_bias=0.0 if aux_close_bias is None else aux_close_bias,
-                        keep_unread=not aux_delete_unread)
+                        keep_unread=not aux_delete_unread,
+                        min_confidence=aux_min_confidence or None)  # 0: the greedy list
         try:
             aux.validate()
         except ValueError as e:
@@ -113,6 +120,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     engine.aux_head_tokens = aux_head_tokens
     if aux is not None and aux_close_bias is None:
         aux.close_bias = engine.close_bias  # as calibrated for this adapter (0 for none)
+    if aux is not None and aux_min_confidence is None:
+        aux.min_confidence = engine.min_confidence  # as calibrated for this adapter (None: greedy)
     try:
         defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
     except OpsError as e:

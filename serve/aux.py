@@ -14,7 +14,9 @@ session holding only the conversation's first message (`first_message_session`),
 The constraint is a character-level automaton over the tail after the forced `{"del_cursors":` prefix; at each step
 only vocabulary tokens made of `0-9 , [ ] }` and space are candidates (a few hundred), each checked against it.
 `AuxConfig.close_bias` (`--aux-close-bias`) adds a constant to the candidates that close the list: fewer, surer
-deletions (a prefix of the greedy list).
+deletions (a prefix of the greedy list). `AuxConfig.min_confidence` (`--aux-min-confidence`) replaces the greedy list
+by a decision per id: the ids the manager lists with probability >= the threshold, summed over the list's branches
+(`_confident_steps`).
 
 In the server (`SessionStore` with an `AuxConfig`): the store takes the fork inside the main turn, right after the
 boundary's tool message was appended and before the reply is generated (`fork_point`), and hands it to `AuxWorker`,
@@ -57,6 +59,15 @@ from kvsteward.synth.hindsight import PLAN_TRIGGER, delete_trigger, unread_curso
 PREFIX = '{"del_cursors":'
 LIST_OPEN = " ["
 _ALPHABET = set("0123456789, []}")
+
+
+def check_min_confidence(value) -> float | None:
+    """`value` as a probability in (0, 1], or None (plain greedy decode)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"aux min_confidence must be a probability in (0, 1] (or none), got {value}")
+    return float(value)
 
 
 def check_close_bias(value) -> float:
@@ -141,6 +152,7 @@ class AuxDecision:
     tokens: int
     truncated: bool = False  # the token budget ran out before the list closed; completed ids are kept
     plan: PlanDecision | None = None  # `--aux-plan`: the same boundary's `Planning mode` decision
+    confidence: dict[int, float] | None = None  # `min_confidence`: each deletable id's P(listed) (a lower bound)
 
 
 def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64,
@@ -199,6 +211,87 @@ def _constrained_steps(session: Session, tokenizer, open_ids: list[int], max_tok
     return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, used_tokens)
 
 
+# The branch decode's bounds: a branch below PRUNE probability is not expanded, and at most MAX_BRANCH_FORWARDS
+# tokens are decoded per decision (most probable branches first). Both only lose probability mass, so every
+# confidence is a lower bound of the model's P(listed): the rule errs toward keeping.
+PRUNE = 0.01
+MAX_BRANCH_FORWARDS = 64
+
+
+def confident_del_cursors(session: Session, tokenizer, open_ids: list[int], min_confidence: float,
+                          max_tokens: int = 64, close_bias: float = 0.0, prune: float = PRUNE,
+                          max_forwards: int = MAX_BRANCH_FORWARDS) -> AuxDecision:
+    """`constrained_del_cursors` under the confidence rule: the ids the manager lists with probability >=
+    `min_confidence` (`_confident_steps`)."""
+    return drive(_confident_steps(session, tokenizer, open_ids, min_confidence, max_tokens, close_bias, prune,
+                                  max_forwards))
+
+
+def _confident_steps(session: Session, tokenizer, open_ids: list[int], min_confidence: float, max_tokens: int,
+                     close_bias: float = 0.0, prune: float = PRUNE,
+                     max_forwards: int = MAX_BRANCH_FORWARDS) -> Generator[None, None, AuxDecision]:
+    """The deletion as a decision per id: P(c listed) under the manager's constrained distribution over lists, and
+    delete the ids with P >= `min_confidence`. Every resumption runs at most one model forward.
+
+    Why: greedy decoding commits to the first id it ranks highest, and a manager torn between two ids (0.55 vs 0.45:
+    which of two fact pages is stale) deletes one with certainty; its harmful deletions are mostly such splits, while
+    its right ones are listed with P > 0.9 (docs/training.md, session 19). Summing the probability of every list
+    that holds c — the marginal, what a decision per id needs — makes that doubt visible.
+
+    How: a depth-first walk over the grammar's token tree (`valid_tail`; probabilities renormalized over the valid
+    candidates, `close_bias` added to closing tokens as in greedy), the most probable child first, each branch a
+    copy of the state (`Session.fork`); a branch closes its list (its mass goes to its ids), falls below `prune`, runs
+    out of `max_tokens`, or finds the `max_forwards` budget spent (those three lose their mass). `truncated`: no
+    list closed at all (nothing is deleted)."""
+    allowed = frozenset(open_ids)
+    cand_ids, cand_texts = _candidates(tokenizer)
+    cand = torch.tensor(cand_ids, dtype=torch.long)
+    bias = None
+    if close_bias:
+        closing = set(closing_tokens(tokenizer))
+        bias = torch.tensor([close_bias if t in closing else 0.0 for t in cand_ids])
+    session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
+    yield
+    mass = dict.fromkeys(open_ids, 0.0)
+    closed, forwards = 0.0, 0
+    floor = math.log(prune) if prune > 0 else -math.inf
+    # a pending child: its parent's state (shared with its siblings: [session, children not yet taken]), the tail
+    # and log P with its token, the token, tokens decoded. The parent state is copied per child (the last one taken
+    # reuses it), so only the states on the current path and their parents are alive.
+    stack: list[tuple[list, str, float, int | None, int]] = [([session, 1], "", 0.0, None, 0)]
+    while stack and forwards < max_forwards:
+        parent, tail, logp, token, used = stack.pop()
+        parent[1] -= 1
+        state = parent[0] if parent[1] == 0 else parent[0].fork()
+        if token is not None:
+            state.append([token], kind="assistant", continue_message=True, logits="last")
+            forwards += 1
+            yield
+        logits = state.last_logits[cand].float()
+        if bias is not None:
+            logits = logits + bias
+        valid = [(k, done) for k in range(len(cand_ids)) for ok, done in [valid_tail(tail + cand_texts[k], allowed)]
+                 if ok]
+        logq = torch.log_softmax(logits[[k for k, _ in valid]], 0).tolist()
+        growing = []
+        for (k, done), q in zip(valid, logq, strict=True):
+            if logp + q < floor:
+                continue
+            if done:
+                p = math.exp(logp + q)
+                closed += p
+                for c in json.loads(PREFIX + tail + cand_texts[k])["del_cursors"]:
+                    mass[c] += p
+            elif used + 1 < max_tokens:
+                growing.append((logp + q, k))
+        node = [state, len(growing)]
+        for lp, k in sorted(growing):  # the least probable pushed first: the most probable is expanded next
+            stack.append((node, tail + cand_texts[k], lp, cand_ids[k], used + 1))
+    keep = sorted(c for c in open_ids if mass[c] >= min_confidence)
+    text = PREFIX + " " + json.dumps(keep) + "}"
+    return AuxDecision(keep, text, forwards, truncated=closed == 0.0, confidence=mass)
+
+
 def _close(tail: str) -> str:
     """Budget exhausted mid-list: keep the ids already closed by a separator and close the JSON."""
     return LIST_OPEN + ", ".join(re.findall(r"(\d+)(?=, |\])", tail)) + "]}"
@@ -229,7 +322,8 @@ def fork_point(messages: list[dict], first: int, every: int) -> int | None:
 
 
 def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,
-              close_bias: float = 0.0, keep_unread: bool = True) -> Generator[None, None, AuxDecision]:
+              close_bias: float = 0.0, keep_unread: bool = True,
+              min_confidence: float | None = None) -> Generator[None, None, AuxDecision]:
     """The aux thread on `fork` (a fork of the main session, adapter set by the caller) as a generator of steps:
     every resumption runs at most one model forward (trigger prefill, the forced opener, then one decoded token), so
     a scheduler can take the model lock per step and yield to main work in between. Returns the decision.
@@ -238,7 +332,9 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
 
     With `Engine.aux_context == "first"` (an adapter trained with `--aux-context first`) the trigger follows only the
     conversation's first message, in a session of its own (`first_message_session`), not the fork: the computation
-    the adapter was trained on. The notes trigger still lists every open cursor of the whole session."""
+    the adapter was trained on. The notes trigger still lists every open cursor of the whole session.
+    `min_confidence`: delete the ids listed with at least this probability (`_confident_steps`), not the greedy
+    list."""
     unread = set(unread_cursors(messages)) if keep_unread else set()
     deletable = [c for c in open_cursors if c not in unread]
     if not deletable:
@@ -251,6 +347,8 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)
     fork.append(tokenizer.encode(trigger_text, add_special_tokens=False), kind="user", logits="last")
     yield
+    if min_confidence is not None:
+        return (yield from _confident_steps(fork, tokenizer, deletable, min_confidence, max_tokens, close_bias))
     return (yield from _constrained_steps(fork, tokenizer, deletable, max_tokens, close_bias))
 
 
@@ -286,11 +384,13 @@ def first_message_session(fork: Session, tokenizer, messages: list[dict]) -> Ses
 
 
 def run_aux(main: Session, tokenizer, messages: list[dict], open_cursors: list[int], max_tokens: int = 64,
-            use_adapter: bool = True, close_bias: float = 0.0, keep_unread: bool = True) -> AuxDecision:
+            use_adapter: bool = True, close_bias: float = 0.0, keep_unread: bool = True,
+            min_confidence: float | None = None) -> AuxDecision:
     """Fork the main session, append the trigger (a user message) and the assistant opener, decode the deletion."""
     fork = main.fork(shared=True)  # reads the main K/V in place: no copy
     fork.config.use_adapter = use_adapter
-    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens, close_bias, keep_unread))
+    return drive(aux_steps(fork, tokenizer, messages, open_cursors, max_tokens, close_bias, keep_unread,
+                           min_confidence))
 
 
 # -- the planner (`Planning mode`): a blueprint for the foresight policy ----------------------------------------------
@@ -618,9 +718,11 @@ class AuxConfig:
     max_wait: float | None = None  # starvation bound in seconds (`Scheduler.max_aux_wait`); None: only idle time
     close_bias: float = 0.0  # nats added to closing the deletion list (`_constrained_steps`): > 0 deletes less
     keep_unread: bool = True  # never delete a tool response the agent has not read yet (`unread_cursors`)
+    min_confidence: float | None = None  # delete only ids listed with this probability (`_confident_steps`)
 
     def validate(self) -> None:
         check_close_bias(self.close_bias)
+        check_min_confidence(self.min_confidence)
         if self.max_wait is not None and self.max_wait < 0:
             raise ValueError(f"aux max_wait must be >= 0 seconds, got {self.max_wait}")
         if self.every < 1:
@@ -736,7 +838,7 @@ class AuxWorker:
             # the planner's own shared fork of the boundary state, taken before the deletion decode writes `job.fork`
             plan_fork = job.fork.fork(shared=True) if self.config.plan and self.plan_hook is None else None
             steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens,
-                              self.config.close_bias, self.config.keep_unread)
+                              self.config.close_bias, self.config.keep_unread, self.config.min_confidence)
             k, got = self._drive(sid, steps, 0)
             if got is None:
                 return

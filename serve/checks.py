@@ -265,7 +265,7 @@ def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int
 
 def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5, max_tokens: int = 16,
               aux_max_tokens: int = 24, use_adapter: bool | None = None, seed: int = 0, data_dir: str | None = None,
-              progress: Progress | None = None) -> dict:
+              progress: Progress | None = None, min_confidence: float | None = None) -> dict:
     """Main-turn latency with the aux thread on vs off, side by side in one run (target ratio <= 1.05).
 
     Two persistent-session stores share the engine and its scheduler: ON runs the aux thread after every `every`-th
@@ -292,7 +292,8 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
     sched = Scheduler()
     stores = {}
     for name in ("on", "off"):
-        aux = AuxConfig(every=every, max_tokens=aux_max_tokens, use_adapter=use_adapter) if name == "on" else None
+        aux = AuxConfig(every=every, max_tokens=aux_max_tokens, use_adapter=use_adapter,
+                        min_confidence=min_confidence) if name == "on" else None
         stores[name] = SessionStore(root / name, engine, SessionSpec(), sched, Metrics(), 1 << 40,
                                     ServeLimits(max_tokens, max_tokens), aux=aux)
     on, off = stores["on"], stores["off"]
@@ -338,7 +339,7 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
             "mean_main_turn_s_on": mean_on, "mean_main_turn_s_off": mean_off,
             "max_main_turn_delay_s": max(a - b for a, b in zip(lat["on"], lat["off"], strict=True)),
             "turns": len(bodies), "every": every, "gap_s": gap, "max_tokens": max_tokens,
-            "aux_max_tokens": aux_max_tokens, "aux_use_adapter": use_adapter,
+            "aux_max_tokens": aux_max_tokens, "aux_use_adapter": use_adapter, "aux_min_confidence": min_confidence,
             "aux_decisions": int(m.aux_decisions._value.get()), "aux_deleted_cursors": int(m.aux_deleted._value.get()),
             "aux_preemptions": int(m.aux_preemptions._value.get()),
             "aux_mean_s": m.aux_seconds._sum.get() / max(1.0, m.aux_decisions._value.get()),

@@ -15,9 +15,9 @@ from kvsteward.serve.spill import SpillStore, host_store
 
 class Engine:
     def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
-                 close_bias: float = 0.0):
+                 close_bias: float = 0.0, min_confidence: float | None = None):
         from kvsteward.kernels.rope import rope_spec
-        from kvsteward.serve.aux import check_close_bias
+        from kvsteward.serve.aux import check_close_bias, check_min_confidence
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
         self.model = model.eval()
@@ -28,6 +28,8 @@ class Engine:
         # The close bias chosen for this adapter on validation traces (`steward eval calibrate`): the aux thread's
         # default (`AuxConfig.close_bias`, `steward eval manager --close-bias` override it).
         self.close_bias = check_close_bias(close_bias)
+        # ... and the confidence rule chosen with it (None: the greedy list; `AuxConfig.min_confidence`).
+        self.min_confidence = check_min_confidence(min_confidence)
         # The aux thread's prefilled first messages (`serve.aux.first_message_session`), by (role, token ids, chunk):
         # kept across decisions and sessions, least recently used out beyond `aux_head_tokens` tokens in all.
         self.aux_heads: OrderedDict[tuple, Session] = OrderedDict()
@@ -84,7 +86,7 @@ class Engine:
 
         meta = models.adapter_meta(adapter)
         return cls(PeftModel.from_pretrained(m, adapter), tok, meta["trigger"], meta["aux_context"],
-                   meta["close_bias"])
+                   meta["close_bias"], meta["min_confidence"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
                 blueprint: str | list | None = None, **policy_overrides) -> Session:

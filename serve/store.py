@@ -547,6 +547,8 @@ class SessionStore:
                                "open_cursors": job.open_cursors, "del_cursors": decision.del_cursors,
                                "text": decision.text, "truncated": decision.truncated,
                                "fork_s": round(job.fork_s, 6), "seconds": round(seconds, 6)}
+            if decision.confidence is not None:  # the confidence rule's evidence: P(listed) per deletable id
+                rec.aux_pending["confidence"] = {str(c): round(p, 6) for c, p in decision.confidence.items()}
             if plan is not None:
                 rec.aux_pending["plan"] = plan.as_json()
             # persisted (fsynced) before anyone can see it: a kill -9 now still applies it at the next turn

@@ -41,4 +41,6 @@ def test_bench_tiers_fork_rehydrate_aux(tiny_folder):
     r = _json(tiny_folder, "bench", "rehydrate", "--span-tokens", "64", "--budget", "128", "--limit", "2048")
     assert r["spilled_bytes"] > 0 and r["rehydrated_tokens"] > 0
     r = _json(tiny_folder, "bench", "aux", "--turns", "3", "--every", "1", "--gap", "0")
-    assert r["turns"] == 3 and r["main_latency_ratio_on_over_off"] > 0
+    assert r["turns"] == 3 and r["main_latency_ratio_on_over_off"] > 0 and r["aux_min_confidence"] is None
+    r = _json(tiny_folder, "bench", "aux", "--turns", "3", "--every", "1", "--gap", "0", "--aux-min-confidence", "0.9")
+    assert r["turns"] == 3 and r["aux_min_confidence"] == 0.9

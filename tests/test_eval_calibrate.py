@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvsteward.eval.calibrate import check_biases, choose, record, sweep
+from kvsteward.eval.calibrate import check_biases, check_confidences, choose, record, sweep
 from kvsteward.eval.manager import evaluate
 from kvsteward.models import ADAPTER_META
 from kvsteward.serve.engine import Engine
@@ -37,10 +37,10 @@ def test_choose_the_highest_f1_that_meets_the_harm_target():
 def test_choose_the_lowest_harm_when_the_target_is_not_met():
     by = {0.0: _s(0.90, 100, 10), 1.0: _s(0.85, 80, 4), 2.0: _s(0.50, 40, 0)}
     c = choose(by, max_harm=0.02, min_f1=0.8)
-    assert (c.close_bias, c.met) == (1.0, False) and "no bias has harmful rate <= 0.02" in c.reason
+    assert (c.close_bias, c.met) == (1.0, False) and "no arm has harmful rate <= 0.02" in c.reason
     # no bias keeps F1: the lowest harm of all, said so
     c = choose(by, max_harm=0.02, min_f1=0.95)
-    assert (c.close_bias, c.met) == (2.0, False) and "no bias keeps F1 >= 0.95" in c.reason
+    assert (c.close_bias, c.met) == (2.0, False) and "no arm keeps F1 >= 0.95" in c.reason
     # deleting nothing harms nothing (0 / 0 is no harm, not NaN) but has F1 0: chosen only when F1 is not asked for
     by = {0.0: _s(0.9, 50, 5), 9.0: _s(0.0, 0, 0)}
     assert choose(by, 0.02, 0.8).close_bias == 0.0 and choose(by, 0.02, 0.0).close_bias == 9.0
@@ -194,3 +194,74 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     assert bad.exit_code == 2 and "--workers must be >= 1" in bad.output
     bad = _cli(["eval", "manager", "--data", str(tmp_path), "--no-base"])
     assert bad.exit_code == 2 and "--no-base leaves no manager" in bad.output
+
+
+def test_choose_among_biases_and_confidence_thresholds():
+    """The confidence arms (at bias 0) compete with the greedy biases under the same rule: here no bias meets the harm
+    target and a threshold does, so the threshold is chosen and named; on a tie in F1 greedy wins (it deletes more)."""
+    by = {0.0: _s(0.95, 100, 4), 1.0: _s(0.80, 70, 3)}
+    conf = {0.8: _s(0.93, 96, 3), 0.9: _s(0.92, 95, 1), 0.95: _s(0.85, 80, 0)}
+    c = choose(by, 0.02, 0.8, conf)
+    assert (c.close_bias, c.min_confidence, c.met, c.name) == (0.0, 0.9, True, "confidence 0.9")
+    assert choose(by, 0.02, 0.8).min_confidence is None  # without confidence arms: the old rule
+    tie = choose({0.0: _s(0.92, 95, 1)}, 0.02, 0.8, conf)
+    assert (tie.close_bias, tie.min_confidence, tie.name) == (0.0, None, "bias 0")
+    miss = choose(by, 0.005, 0.9, conf)  # none meets both: the lowest harm among those keeping F1
+    assert (miss.min_confidence, miss.met) == (0.9, False) and "no arm has harmful rate" in miss.reason
+    with pytest.raises(ValueError, match="probabilities in"):
+        check_confidences([0.9, 0.0])
+    assert check_confidences([0.9, 0.5, 0.9]) == [0.5, 0.9]
+
+
+def test_sweep_scores_each_confidence_as_evaluate_does(manager_setup):
+    engine, traces = manager_setup
+    out = sweep(engine, traces, [0.0], every=2, confidences=[0.99, 0.3])
+    assert sorted(out["by_confidence"]) == [0.3, 0.99]
+    for c in (0.3, 0.99):
+        alone = evaluate(engine, traces, every=2, arms=("adapter",), min_confidence=c)
+        assert json.dumps(out["by_confidence"][c], sort_keys=True) == json.dumps(alone["adapter"], sort_keys=True)
+        assert alone["min_confidence"] == c
+    assert out["by_confidence"][0.3]["aux_calls"] > 0
+
+
+def test_a_recorded_confidence_rule_is_served_and_evaluated(tiny_folder, adapter_dir, tmp_path, monkeypatch):
+    """`record` writes the chosen threshold; `Engine.load` reads it; `steward eval manager` runs the adapter arm under
+    it (the base arm greedy) and `steward serve` gives it to the aux thread; 0 on either flag means greedy."""
+    by = {0.0: _s(0.9, 50, 5) | {"precision": 0.9, "recall": 0.9}}
+    conf = {0.7: _s(0.88, 45, 0) | {"precision": 1.0, "recall": 0.8}}
+    result = {"by_bias": by, "by_confidence": conf, "n_traces": 3, "every": 2, "aux_context": "full",
+              "keep_unread": True}
+    meta = record(adapter_dir, choose(by, 0.02, 0.8, conf), result, "validation", 0.02, 0.8)
+    assert meta["min_confidence"] == 0.7 and meta["close_bias"] == 0.0
+    assert meta["calibration"]["by_confidence"]["0.7"]["harmful_rate"] == 0.0
+    assert Engine.load(str(tiny_folder), adapter=str(adapter_dir)).min_confidence == 0.7
+
+    traces = _traces_dir(tmp_path)
+    common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
+              "--traces", str(traces), "--split", "validation", "--every", "2", "--limit", "1", "--no-mlflow",
+              "--json"]
+    ev = json.loads(_cli(common).stdout.strip().splitlines()[-1])
+    assert ev["min_confidence"] == {"base": None, "adapter": 0.7}
+    ev = json.loads(_cli([*common, "--min-confidence", "0"]).stdout.strip().splitlines()[-1])
+    assert ev["min_confidence"] == {"base": None, "adapter": None}
+    res = _cli([*common, "--min-confidence", "1.5"])
+    assert res.exit_code == 2 and "--min-confidence must be a probability in (0, 1]" in res.output
+
+    import uvicorn
+
+    import kvsteward.serve.api as api
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(api, "create_app", lambda engine, config: seen.update(aux=config.aux))
+    serve = ["serve", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data-dir", str(tmp_path / "d")]
+    assert _cli(serve).exit_code == 0 and seen.pop("aux").min_confidence == 0.7
+    assert _cli([*serve, "--aux-min-confidence", "0"]).exit_code == 0 and seen.pop("aux").min_confidence is None
+    assert _cli([*serve, "--aux-min-confidence", "0.95"]).exit_code == 0 and seen.pop("aux").min_confidence == 0.95
+    res = _cli(["serve", "--model", str(tiny_folder), "--aux-min-confidence", "0.9"])
+    assert res.exit_code == 2 and "--aux-min-confidence needs a manager" in res.output
+    res = _cli([*serve, "--aux-min-confidence", "2"])
+    assert res.exit_code == 2 and "min_confidence must be a probability" in res.output
+    res = _cli(["eval", "calibrate", "--data", str(tmp_path), "--no-mlflow", "--adapter", str(adapter_dir),
+                "--confidences", "0.9,1.2"])
+    assert res.exit_code == 2 and "--confidences must be comma-separated probabilities" in res.output

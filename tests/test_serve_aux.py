@@ -191,6 +191,27 @@ def test_the_worker_decodes_with_the_configured_close_bias(engine, tmp_path):
     assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [] and pending["text"].endswith(" []}")
 
 
+def test_the_worker_decodes_with_the_configured_confidence_rule(engine, tmp_path, monkeypatch):
+    """`AuxConfig.min_confidence` reaches the worker's decode: the branch decode runs with that threshold (a spy
+    around the real one), and its decision is what the session gets (this module's model lists every read cursor
+    with certainty, so the confident list is the greedy one)."""
+    import kvsteward.serve.aux as aux_mod
+
+    seen = []
+    real = aux_mod._confident_steps
+
+    def spy(session, tokenizer, open_ids, min_confidence, *args):
+        seen.append((list(open_ids), min_confidence))
+        return (yield from real(session, tokenizer, open_ids, min_confidence, *args))
+
+    monkeypatch.setattr(aux_mod, "_confident_steps", spy)
+    pending = _first_decision(engine, tmp_path / "a", AuxConfig(every=2, max_tokens=16, use_adapter=False,
+                                                                 min_confidence=0.9))
+    assert seen == [([3], 0.9)]
+    assert pending["open_cursors"] == [3, 5] and pending["del_cursors"] == [3]
+    assert pending["confidence"]["3"] >= 0.9 and list(pending["confidence"]) == ["3"]  # persisted with the decision
+
+
 def test_the_worker_keeps_the_unread_response_by_default(engine, tmp_path):
     """Default AuxConfig: the decoder (which here would list everything) may not list the boundary's own tool
     response, which the agent has not read yet; the older one goes."""
@@ -405,6 +426,10 @@ def test_bench_aux_plumbing(engine):
     assert out["aux_decisions"] >= 2 and out["aux_deleted_cursors"] >= 1  # this model deletes every open cursor
     assert out["main_latency_ratio_on_over_off"] > 0
     assert out["aux_forks"] >= out["aux_decisions"] and 0 < out["aux_fork_max_s"] < 1  # forks: in main turns
+    # the confidence rule in the same bench: this model lists every read cursor with certainty, so the same drops
+    conf = bench_aux(engine, turns=4, every=1, gap=0.2, max_tokens=2, aux_max_tokens=8, min_confidence=0.9)
+    assert conf["aux_min_confidence"] == 0.9 and conf["identical_sessions"] is True and conf["aux_errors"] == 0
+    assert conf["aux_deleted_cursors"] == out["aux_deleted_cursors"]
 
 
 def test_adapter_is_on_only_in_aux_forwards(tmp_path):

@@ -109,9 +109,10 @@ def test_best_metric_f1_scores_every_checkpoint_and_delivers_the_best(tiny_folde
         engine = Engine(PeftModel.from_pretrained(base, str(ckpts / f"checkpoint-{step}")), tok)
         logged[step] = score(engine, rows)["f1"]
         # every checkpoint is a servable adapter folder: it records the trigger layout it was trained on (and, never
-        # calibrated, is served at close bias 0)
+        # calibrated, is served greedy at close bias 0)
         assert adapter_meta(ckpts / f"checkpoint-{step}") == {"trigger": "notes", "adapter_scope": "aux",
-                                                                 "aux_context": "full", "close_bias": 0.0}
+                                                                 "aux_context": "full", "close_bias": 0.0,
+                                                                 "min_confidence": None}
     assert len(set(logged.values())) > 1  # the choice is a real one (on this seed: F1 0, 0.5, 0.5)
     assert res.eval_f1 == pytest.approx(logged[3])
     assert res.best_eval_f1 == pytest.approx(max(logged.values()))
