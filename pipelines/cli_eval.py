@@ -272,10 +272,11 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                                                            "you report)"),
               every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
               limit: int = typer.Option(40, help="at most this many traces"),
-              biases: str = typer.Option("0,0.5,1,2", help="comma-separated close biases to try (nats)"),
-              confidences: str = typer.Option("", help="comma-separated thresholds of the confidence rule to try "
-                                                       "too (at bias 0: delete the ids listed with at least this "
-                                                       "probability; serving's --aux-min-confidence), e.g. 0.8,0.9"),
+              biases: str = typer.Option("0,1", help="comma-separated close biases to try (nats)"),
+              confidences: str = typer.Option("0.8,0.9", help="comma-separated thresholds of the confidence rule to "
+                                                              "try too (at bias 0: delete the ids listed with at "
+                                                              "least this probability; serving's "
+                                                              "--aux-min-confidence); empty: none"),
               max_harm: float = typer.Option(0.02, help="target: harmful deletions / deletions at most this"),
               min_f1: float = typer.Option(0.8, help="target: deletion F1 at least this"),
               delete_unread: bool = typer.Option(False, "--delete-unread",
