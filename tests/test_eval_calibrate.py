@@ -129,6 +129,7 @@ def test_calibrate_cli_records_the_choice_and_eval_and_serve_use_it(tiny_folder,
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["close_bias"] == -1e4 and out["met"] is True and out["written"] is True
     assert out["by_bias"]["-10000.0"]["deleted"] > 0 and out["by_bias"]["10000.0"]["deleted"] == 0
+    assert sorted(out["by_confidence"]) == ["0.8", "0.9"] and out["min_confidence"] is None  # the default thresholds
     meta = json.loads((adapter_dir / ADAPTER_META).read_text())
     assert meta["close_bias"] == -1e4 and meta["trigger"] == "notes" and meta["calibration"]["traces"] == 1
 
