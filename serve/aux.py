@@ -145,6 +145,14 @@ def closing_tokens(tokenizer) -> list[int]:
     return [i for i, t in zip(ids, texts, strict=True) if "]" in t]
 
 
+def _close_bias_vector(tokenizer, close_bias: float) -> torch.Tensor | None:
+    """`close_bias` on every closing candidate of `_candidates(tokenizer)`, 0 elsewhere; None for no bias."""
+    if not close_bias:
+        return None
+    closing = set(closing_tokens(tokenizer))
+    return torch.tensor([close_bias if t in closing else 0.0 for t in _candidates(tokenizer)[0]])
+
+
 @dataclass
 class AuxDecision:
     del_cursors: list[int]
@@ -182,8 +190,7 @@ def _constrained_steps(session: Session, tokenizer, open_ids: list[int], max_tok
     allowed = frozenset(open_ids)
     cand_ids, cand_texts = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
-    closing = set(closing_tokens(tokenizer)) if close_bias else set()
-    bias = torch.tensor([close_bias if t in closing else 0.0 for t in cand_ids]) if close_bias else None
+    bias = _close_bias_vector(tokenizer, close_bias)
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
     yield
     tail, used_tokens = "", 0
@@ -246,10 +253,7 @@ def _confident_steps(session: Session, tokenizer, open_ids: list[int], min_confi
     allowed = frozenset(open_ids)
     cand_ids, cand_texts = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
-    bias = None
-    if close_bias:
-        closing = set(closing_tokens(tokenizer))
-        bias = torch.tensor([close_bias if t in closing else 0.0 for t in cand_ids])
+    bias = _close_bias_vector(tokenizer, close_bias)
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
     yield
     mass = dict.fromkeys(open_ids, 0.0)
