@@ -65,7 +65,7 @@ def sweep(engine: Engine, traces: list[Trace], biases: list[float], every: int =
     `workers`, `engine_factory`, `journal`, `journal_key` of `eval.manager.play`."""
     biases = check_biases(biases)
     confidences = check_confidences(list(confidences))
-    arms = {arm_name(b): (True, b) for b in biases} | {confidence_arm(c): (True, 0.0, c) for c in confidences}
+    arms = {arm_name(b): (True, b, None) for b in biases} | {confidence_arm(c): (True, 0.0, c) for c in confidences}
     tallies = play(engine, traces, every, arms, max_aux_tokens=max_aux_tokens, progress=progress,
                    keep_unread=keep_unread, **parallel)
     ref = tallies["uncompressed"]

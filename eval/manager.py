@@ -205,9 +205,9 @@ def summarize(t: Tally, ref: Tally) -> dict:
     return out
 
 
-# arm name → (use the adapter, close bias[, min confidence]): the aux decode an arm replays; without a min
-# confidence (or None) the greedy list
-Arms = dict[str, tuple[bool, float] | tuple[bool, float, float | None]]
+# arm name → (use the adapter, close bias, min confidence): the aux decode an arm replays (min confidence None: the
+# greedy list)
+Arms = dict[str, tuple[bool, float, float | None]]
 
 
 def arm_key(use_adapter: bool, close_bias: float, min_confidence: float | None = None) -> str:
@@ -226,9 +226,9 @@ def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool 
     if reference:
         tallies["uncompressed"] = Tally()
         replay(engine, trace, every, None, tallies["uncompressed"])
-    for arm, (use, bias, *conf) in arms.items():
+    for arm, (use, bias, conf) in arms.items():
 
-        def decide(s, msgs, open_c, use=use, bias=bias, conf=conf[0] if conf else None):
+        def decide(s, msgs, open_c, use=use, bias=bias, conf=conf):
             return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
                            keep_unread=keep_unread, min_confidence=conf)
 
@@ -240,8 +240,8 @@ def play(engine: Engine, traces: list[Trace], every: int, arms: Arms, plan: bool
          max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
          keep_unread: bool = True, workers: int = 1, engine_factory: Callable[[], Engine] | None = None,
          journal: str | Path | None = None, journal_key: dict | None = None) -> dict[str, Tally]:
-    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias[, min
-    confidence]). The tallies by arm, plus `"uncompressed"`: the reference every arm is scored against (played once
+    """Replay every trace once uncompressed and once per arm; an arm is (use the adapter, close bias, min
+    confidence). The tallies by arm, plus `"uncompressed"`: the reference every arm is scored against (played once
     per trace, whatever the number of arms).
 
     `workers` > 1 plays traces in that many processes, each with its own engine from `engine_factory` (picklable;

@@ -189,9 +189,9 @@ def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypa
     calls: list[tuple] = []
     monkeypatch.setattr(mgr, "play_trace", lambda e, t, ev, arms, *a: calls.append((t.task_id, dict(arms), a[-1]))
                         or real(e, t, ev, arms, *a))
-    sweep = mgr.play(engine, traces, 2, {"old": (False, -1.0), "new": (False, 1e4)}, journal=journal)
-    assert calls == [(t.task_id, {"new": (False, 1e4)}, False) for t in traces]
-    fresh = mgr.play(engine, traces, 2, {"old": (False, -1.0), "new": (False, 1e4)})
+    sweep = mgr.play(engine, traces, 2, {"old": (False, -1.0, None), "new": (False, 1e4, None)}, journal=journal)
+    assert calls == [(t.task_id, {"new": (False, 1e4, None)}, False) for t in traces]
+    fresh = mgr.play(engine, traces, 2, {"old": (False, -1.0, None), "new": (False, 1e4, None)})
     assert all(json.dumps(asdict(sweep[k])) == json.dumps(asdict(fresh[k])) for k in ("uncompressed", "old", "new"))
     assert sweep["new"].deleted == 0 and sweep["old"].deleted > 0
     from dataclasses import replace
