@@ -1,17 +1,18 @@
 """Choose the aux thread's close bias on held-out traces, and record it with the adapter (`steward eval calibrate`).
 
-The close bias (nats added to closing the deletion list: `serve.aux._constrained_steps`) trades recall for precision:
-a higher bias lists a prefix of what a lower one lists, so fewer deletions and fewer harmful ones. Which bias meets a
-harm target depends on the adapter (three seeds of one configuration differed threefold in harm at bias 0), so it is
-chosen per adapter — on the validation split: choosing it on the test split would report the selection, not the
-manager. The choice goes into the adapter's `kvsteward.json` (`close_bias`, with the `calibration` record), where
+The close bias (nats added to closing the deletion list: `serve.manager.decode._constrained_steps`) trades recall for
+precision: a higher bias lists a prefix of what a lower one lists, so fewer deletions and fewer harmful ones. Which
+bias meets a harm target depends on the adapter (three seeds of one configuration differed threefold in harm at bias
+0), so it is chosen per adapter — on the validation split: choosing it on the test split would report the selection,
+not the manager. The choice goes into the adapter's `kvsteward.json` (`close_bias`, with the `calibration` record),
+where
 `Engine.load` reads it as the serving default; `steward serve --aux-close-bias` and `steward eval manager
 --close-bias` still override it.
 
-The other knob is the confidence rule (`serve.aux._confident_steps`, `--aux-min-confidence`): delete only the ids the
-manager lists with probability >= a threshold. `--confidences` adds one arm per threshold (at close bias 0) to the
-sweep; the choice is made among all arms, and both knobs are recorded (`close_bias`, `min_confidence`: None when a
-greedy arm wins).
+The other knob is the confidence rule (`serve.manager.decode._confident_steps`, `--aux-min-confidence`): delete only
+the ids the manager lists with probability >= a threshold. `--confidences` adds one arm per threshold (at close bias
+0) to the sweep; the choice is made among all arms, and both knobs are recorded (`close_bias`, `min_confidence`: None
+when a greedy arm wins).
 
 Each arm is the adapter arm of `eval.manager` (the aux thread exactly as served), all against one uncompressed
 replay per trace (`eval.manager.play`).

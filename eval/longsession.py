@@ -24,8 +24,8 @@ import torch
 
 from kvsteward.eval import scoring
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.policies import ARMS
-from kvsteward.serve.session import Session as EngineSession
+from kvsteward.serve.engine.policies import ARMS
+from kvsteward.serve.engine.session import Session as EngineSession
 from kvsteward.synth.chat import generation_prompt, message_token_ids
 from kvsteward.synth.longsession_schema import Session
 

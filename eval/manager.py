@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from kvsteward.eval.scoring import appended_gold_nll, mean, text_prefix_match, wilson_interval
-from kvsteward.serve.aux import AuxDecision, run_aux
 from kvsteward.serve.engine import Engine
+from kvsteward.serve.manager.decode import AuxDecision
+from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
 from kvsteward.synth.hindsight import PLAN_TRIGGER, boundaries, expired, future_readers
 from kvsteward.synth.trace import Trace

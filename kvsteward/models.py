@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,23 @@ def check_adapter(adapter: str | Path) -> None:
     """Refuse a LoRA adapter folder that cannot load, before the (slow) base model load."""
     if not (Path(adapter).expanduser() / "adapter_config.json").is_file():
         raise ModelNotFound(f"adapter folder {adapter} has no adapter_config.json (make one with `steward train lora`)")
+
+
+def check_min_confidence(value) -> float | None:
+    """`value` as a probability in (0, 1], or None (plain greedy decode)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"aux min_confidence must be a probability in (0, 1] (or none), got {value}")
+    return float(value)
+
+
+def check_close_bias(value) -> float:
+    """`value` as a float if it is a finite number of nats (not a bool, not text from a hand-edited record)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"aux close_bias must be a finite number of nats, got {value}")
+    return float(value)
+
 
 
 ADAPTER_META = "kvsteward.json"  # beside adapter_config.json: how the manager was trained (trigger layout, scope)

@@ -46,7 +46,7 @@ def check(model: str = typer.Option("smollm2", help=MODEL_HELP),
     """Exactness report: generate() equivalence, re-rotation errors per RoPE type/layout, 500-renumber drift,
     drop / reposition vs the reference replay, and the resident-slot bound of a budgeted session."""
     from kvsteward.kernels.check import bf16_rerotation_error, renumber_drift, rerotation_errors
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def rerotate(model: str = typer.Option("smollm2", help=MODEL_HELP),
              sizes: str = typer.Option("512,2048,8192", help="comma-separated r values"),
              as_json: bool = typer.Option(False, "--json")) -> None:
     """Reposition r resident tokens vs re-prefill the same r tokens (same run); prints one row per r."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     rows = checks.bench_rerotate(eng, tuple(int(x) for x in sizes.split(",")), progress=_progress)
@@ -87,7 +87,7 @@ def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
              budget: int = typer.Option(512), chunk: int = typer.Option(512), limit: int = typer.Option(2048),
              as_json: bool = typer.Option(False, "--json")) -> None:
     """Wall time of `pace` over `h2o` on the same session (target ratio ≤ 1.05)."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
@@ -147,7 +147,7 @@ def restore(model: str = typer.Option("smollm2", help=MODEL_HELP),
             messages: int = typer.Option(12), tokens_per_message: int = typer.Option(256),
             as_json: bool = typer.Option(False, "--json")) -> None:
     """Restore an op history with one segment-batch forward vs the sequential replay of its ops (same run)."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     _emit(checks.bench_restore(eng, messages, tokens_per_message, progress=_progress), as_json)
@@ -158,7 +158,7 @@ def tiers(model: str = typer.Option("smollm2", help=MODEL_HELP), tokens: int = t
           valkey_url: str = typer.Option("", help="valkey://host:port/db of a running server (omit: host + disk)"),
           as_json: bool = typer.Option(False, "--json")) -> None:
     """Restore time of a session state from host memory, local disk and Valkey (same run)."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     _emit(checks.bench_tiers(eng, tokens, valkey_url=valkey_url or None), as_json)
@@ -170,7 +170,7 @@ def fork(model: str = typer.Option("smollm2", help=MODEL_HELP),
          as_json: bool = typer.Option(False, "--json")) -> None:
     """What the aux thread's fork costs the main session: copy fork vs shared fork (no K/V copied), and the parent's
     next decode step with no fork vs with a live shared fork (copy-on-write), same run."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     _emit(checks.bench_fork(_engine(model), resident), as_json)
 
@@ -183,7 +183,7 @@ def rehydrate(model: str = typer.Option("smollm2", help=MODEL_HELP),
               as_json: bool = typer.Option(False, "--json")) -> None:
     """Tiered rehydration (pace-tiered): time to bring an evicted planned span back from host memory, local disk and
     Valkey at its reader step, next to that step's forward (same run)."""
-    from kvsteward.serve import checks
+    from kvsteward.serve.bench import checks
 
     eng = _engine(model)
     _emit(checks.bench_rehydrate(eng, span_tokens, budget=budget, limit=limit, valkey_url=valkey_url or None),
@@ -202,9 +202,9 @@ def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
                                                             "list); default: the adapter's calibrated rule"),
         as_json: bool = typer.Option(False, "--json")) -> None:
     """Main-turn latency with the aux memory-manager thread on vs off, interleaved in one run (target ratio ≤ 1.05)."""
-    from kvsteward.serve import checks
-    from kvsteward.serve.aux import check_min_confidence
+    from kvsteward.serve.bench import checks
     from kvsteward.serve.engine import Engine
+    from kvsteward.serve.manager.decode import check_min_confidence
 
     try:
         conf = check_min_confidence(aux_min_confidence or None)

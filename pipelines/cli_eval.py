@@ -73,7 +73,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     from kvsteward.eval.longsession import JOURNAL, RunConfig, run, shard, shard_journal
     from kvsteward.eval.report import log_to_mlflow, write_report
     from kvsteward.serve.engine import Engine
-    from kvsteward.serve.policies import ARMS
+    from kvsteward.serve.engine.policies import ARMS
     from kvsteward.synth.longsession import generate_sessions
     from kvsteward.synth.longsession_schema import read_jsonl, write_jsonl
 
@@ -128,7 +128,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
 def _min_confidence(value: float | None, flag: str) -> float | None:
     """A confidence option as the aux knob: None stays None (not given), 0 is the greedy list (None), (0, 1] a
     probability; anything else refused by name before the model loads."""
-    from kvsteward.serve.aux import check_min_confidence
+    from kvsteward.serve.manager.decode import check_min_confidence
 
     if value is None or value == 0:
         return None

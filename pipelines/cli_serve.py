@@ -71,11 +71,11 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     import torch
     import uvicorn
 
-    from kvsteward.serve.api import ServerConfig, create_app
-    from kvsteward.serve.aux import AuxConfig
-    from kvsteward.serve.completions import ServeLimits
     from kvsteward.serve.engine import Engine
-    from kvsteward.serve.ops import OpsError, SessionSpec, session_spec
+    from kvsteward.serve.engine.ops import OpsError, SessionSpec, session_spec
+    from kvsteward.serve.manager.worker import AuxConfig
+    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.completions import ServeLimits
     from kvsteward.synth.hindsight import check_aux_context
 
     if adapter is not None and aux_base:

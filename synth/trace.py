@@ -2,7 +2,9 @@
 
 A trace is a list of chat messages (step index = message index) plus `reads`: step → the cursor ids (tool-message
 indices) that step uses. For generated traces `reads` is the solver's provenance (label_source "oracle"); for
-imported traces it comes from a planner (label_source "planner:<name>").
+imported traces it comes from the file's own provenance (label_source "provenance") or a planner ("planner:<name>").
+`env` names the environment that generated it ("" when unknown), `cues` (optional) names, per cursor, why the
+generator's script reads it again or not (e.g. "recap_fact", "wrong_page"): the evaluation reports metrics per cue.
 Stored as JSON lines, one trace per line, in `DIR/traces.jsonl` with generation parameters in `DIR/meta.json`.
 """
 
@@ -32,6 +34,8 @@ class Trace:
     hops: int = 0
     entities: list[str] = field(default_factory=list)
     docs: list[str] = field(default_factory=list)
+    env: str = ""
+    cues: dict[int, str] = field(default_factory=dict)
 
     def cursors(self) -> list[int]:
         """Tool-response message indices (= cursor ids)."""
@@ -56,6 +60,9 @@ class Trace:
             cid = cursor_id(self.messages[i].get("content", ""))
             if cid != i:
                 raise ValueError(f"{self.task_id}: tool message {i} is tagged [cursor {cid}], expected [cursor {i}]")
+        for c in self.cues:
+            if c not in cursors:
+                raise ValueError(f"{self.task_id}: cue for {c}, which is not a tool message")
         for step, cs in self.reads.items():
             if not 0 <= step < len(self.messages):
                 raise ValueError(f"{self.task_id}: reads step {step} is outside the {len(self.messages)} messages")
@@ -66,12 +73,14 @@ class Trace:
     def to_json(self) -> str:
         d = asdict(self)
         d["reads"] = {str(k): v for k, v in sorted(self.reads.items())}
+        d["cues"] = {str(k): v for k, v in sorted(self.cues.items())}
         return json.dumps(d, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, line: str) -> Trace:
         d = json.loads(line)
         d["reads"] = {int(k): [int(c) for c in v] for k, v in d.get("reads", {}).items()}
+        d["cues"] = {int(k): str(v) for k, v in (d.get("cues") or {}).items()}
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kvsteward.models import tiny_model
-from kvsteward.serve.aux import _close, run_aux, unread_cursors, valid_tail
 from kvsteward.serve.engine import Engine
+from kvsteward.serve.manager.decode import _close, valid_tail
+from kvsteward.serve.manager.thread import run_aux
+from kvsteward.synth.hindsight import unread_cursors
 
 torch.set_num_threads(1)
 OPEN = frozenset({3, 7, 12})
@@ -47,7 +49,8 @@ def test_forced_opener_is_a_token_prefix_of_every_training_target(tok, target):
     target tokenized as one piece (`synth.hindsight.target_text`). The forced tokens must be exactly the target's
     first tokens, or the model decodes from a token state it never saw in training (` [` then `]}` for an empty list,
     where training has ` []` then `}`). The rest of the target must be a complete tail of the constraint."""
-    from kvsteward.serve.aux import PLAN_PREFIX, PREFIX, PlanGrammar
+    from kvsteward.serve.manager.decode import PREFIX
+    from kvsteward.serve.manager.planner import PLAN_PREFIX, PlanGrammar
     from kvsteward.synth.hindsight import target_text
 
     text = target_text(target)
@@ -121,7 +124,8 @@ def test_serving_aux_context_is_the_training_row(engine, tok, style, monkeypatch
     layouts (the server hands the fork the whole message list, pre-masked messages included)."""
     import random
 
-    from kvsteward.serve.aux import PREFIX, aux_steps
+    from kvsteward.serve.manager.decode import PREFIX
+    from kvsteward.serve.manager.thread import aux_steps
     from kvsteward.synth import hindsight as hs
     from kvsteward.synth.chat import message_token_ids
     from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
@@ -169,7 +173,7 @@ def test_close_bias_lists_a_prefix_of_the_greedy_list(engine, tok, seed):
 
 
 def test_close_bias_must_be_finite():
-    from kvsteward.serve.aux import AuxConfig
+    from kvsteward.serve.manager.worker import AuxConfig
 
     with pytest.raises(ValueError, match="close_bias"):
         AuxConfig(close_bias=float("nan")).validate()
@@ -202,7 +206,7 @@ def test_the_engine_serves_the_trigger_layout_its_adapter_was_trained_on(tiny_fo
     from transformers import AutoModelForCausalLM
 
     from kvsteward.models import ADAPTER_META
-    from kvsteward.serve.aux import aux_steps
+    from kvsteward.serve.manager.thread import aux_steps
 
     base = AutoModelForCausalLM.from_pretrained(tiny_folder)
     get_peft_model(base, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "a")
@@ -248,7 +252,7 @@ def test_aux_context_first_serves_the_cut_training_row(tok, monkeypatch):
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
 
-    from kvsteward.serve import aux as aux_mod
+    from kvsteward.serve.manager import thread as aux_mod
     from kvsteward.synth import hindsight as hs
     from kvsteward.synth.chat import message_token_ids
     from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
@@ -307,7 +311,7 @@ def test_the_first_message_is_prefilled_once_and_served_bit_for_bit(tok, monkeyp
     tokens, least recently used out (a head longer than the cap is used and not kept)."""
     from peft import LoraConfig, get_peft_model
 
-    from kvsteward.serve import aux as aux_mod
+    from kvsteward.serve.manager import thread as aux_mod
     from kvsteward.synth.chat import message_token_ids
     from kvsteward.synth.generate import generate_traces
 

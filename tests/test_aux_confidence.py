@@ -10,16 +10,10 @@ import pytest
 import torch
 
 from kvsteward.models import tiny_model
-from kvsteward.serve.aux import (
-    PREFIX,
-    AuxConfig,
-    _candidates,
-    closing_tokens,
-    confident_del_cursors,
-    run_aux,
-    valid_tail,
-)
 from kvsteward.serve.engine import Engine
+from kvsteward.serve.manager.decode import PREFIX, _candidates, closing_tokens, confident_del_cursors, valid_tail
+from kvsteward.serve.manager.thread import run_aux
+from kvsteward.serve.manager.worker import AuxConfig
 from kvsteward.synth.chat import message_token_ids
 
 torch.set_num_threads(1)

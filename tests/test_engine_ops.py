@@ -1,5 +1,5 @@
 """Cache operations against independent references: transformers' generate, a masked from-scratch forward, and a
-sequential replay on transformers' own DynamicCache (kvsteward.serve.reference)."""
+sequential replay on transformers' own DynamicCache (kvsteward.serve.engine.reference)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.reference import ReferenceSession
-from kvsteward.serve.session import CacheOpError
+from kvsteward.serve.engine.reference import ReferenceSession
+from kvsteward.serve.engine.session import CacheOpError
 
 torch.set_num_threads(1)
 ARCHS = ["llama", "qwen3"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvsteward.models import tiny_model
-from kvsteward.serve.blueprint import BlueprintError, foresight_bonus, parse_blueprint
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.policies import SlotView, get_policy, select_keep
+from kvsteward.serve.engine.blueprint import BlueprintError, foresight_bonus, parse_blueprint
+from kvsteward.serve.engine.policies import SlotView, get_policy, select_keep
 
 torch.set_num_threads(1)
 
@@ -113,7 +113,7 @@ def test_budget_bound_over_50k_tokens(engine):
 def test_bounded_positions_never_reach_limit_and_match_reference(engine):
     """pace on a session 8× longer than L: every physical position < L; after the renumbers, the engine's next-token
     logits equal the reference replay of the same (drop + reposition) op history."""
-    from kvsteward.serve.reference import ReferenceSession
+    from kvsteward.serve.engine.reference import ReferenceSession
 
     B, H, L = 64, 32, 128
     s = engine.session("pace", budget=B, chunk=H, limit=L, blueprint=[{"span": [0, 10], "readers": [30]}], recent=16)

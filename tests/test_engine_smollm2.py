@@ -22,7 +22,7 @@ def engine():
 
 
 def test_smollm2_full_engine_equals_generate(engine):
-    from kvsteward.serve.checks import generate_equivalence
+    from kvsteward.serve.bench.checks import generate_equivalence
 
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
                                                 add_generation_prompt=True, tokenize=False)
@@ -30,7 +30,7 @@ def test_smollm2_full_engine_equals_generate(engine):
 
 
 def test_smollm2_drop_and_reposition_match_reference(engine):
-    from kvsteward.serve.checks import op_logit_errors
+    from kvsteward.serve.bench.checks import op_logit_errors
 
     errs = op_logit_errors(engine, n=96)
     assert errs["drop"] < 1e-3 and errs["reposition"] < 1e-3, errs

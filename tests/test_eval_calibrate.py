@@ -143,7 +143,7 @@ def test_calibrate_cli_records_the_choice_and_eval_and_serve_use_it(tiny_folder,
 
     import uvicorn
 
-    import kvsteward.serve.api as api
+    import kvsteward.serve.server.api as api
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # the app is not served: only its config is read
@@ -250,7 +250,7 @@ def test_a_recorded_confidence_rule_is_served_and_evaluated(tiny_folder, adapter
 
     import uvicorn
 
-    import kvsteward.serve.api as api
+    import kvsteward.serve.server.api as api
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)

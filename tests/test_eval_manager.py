@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsteward.eval.manager import Tally, answer_prefix, harm_kind, replay, summarize
-from kvsteward.serve.aux import AuxDecision
+from kvsteward.serve.manager.decode import AuxDecision
 from kvsteward.synth.hindsight import expired
 
 torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def test_aux_context_reaches_the_decoder_through_evaluate(manager_setup, monkeyp
     `first` every aux call that decodes runs on a first-message session, with `full` none does; the result says
     which."""
     from kvsteward.eval.manager import evaluate
-    from kvsteward.serve import aux as aux_mod
+    from kvsteward.serve.manager import thread as aux_mod
 
     engine, traces = manager_setup
     calls: list[int] = []
@@ -153,7 +153,7 @@ def test_workers_give_the_serial_result(manager_setup):
     from functools import partial
 
     from kvsteward.eval.manager import evaluate
-    from kvsteward.serve.testing import tiny_chat_engine
+    from kvsteward.serve.server.testing import tiny_chat_engine
 
     engine, traces = manager_setup
     serial = evaluate(engine, traces, every=2, arms=("base",))

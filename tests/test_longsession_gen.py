@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvsteward.eval.scoring import code_checks
-from kvsteward.serve.blueprint import parse_blueprint
+from kvsteward.serve.engine.blueprint import parse_blueprint
 from kvsteward.synth.chat import message_token_ids
 from kvsteward.synth.longsession import generate_session, generate_sessions
 from kvsteward.synth.longsession_defs import Spec, code_probes, make_spec

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvsteward.eval import longsession as ls
-from kvsteward.serve.testing import tiny_chat_engine
+from kvsteward.serve.server.testing import tiny_chat_engine
 from kvsteward.synth.longsession import generate_sessions
 
 

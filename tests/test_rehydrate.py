@@ -14,12 +14,12 @@ import torch
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.policies import get_policy
-from kvsteward.serve.reference import ReferenceSession
-from kvsteward.serve.restore import plan_history
-from kvsteward.serve.session import EVICTED, RESIDENT, Session, SessionConfig
-from kvsteward.serve.spill import SpillError, SpillStore, host_store
-from kvsteward.serve.tiers import DiskTier, HostTier, ValkeyTier, load_snapshot, snapshot
+from kvsteward.serve.engine.policies import get_policy
+from kvsteward.serve.engine.reference import ReferenceSession
+from kvsteward.serve.engine.restore import plan_history
+from kvsteward.serve.engine.session import EVICTED, RESIDENT, Session, SessionConfig
+from kvsteward.serve.engine.spill import SpillError, SpillStore, host_store
+from kvsteward.serve.engine.tiers import DiskTier, HostTier, ValkeyTier, load_snapshot, snapshot
 
 torch.set_num_threads(1)
 
@@ -49,7 +49,7 @@ LATE = [{"span": [184 + 16 * i, 200 + 16 * i], "readers": [r]} for i, r in enume
 
 
 def _tiered(engine: Engine, spill: SpillStore | None = None, bounded: bool = True, blueprint=BLUEPRINT) -> Session:
-    from kvsteward.serve.blueprint import parse_blueprint
+    from kvsteward.serve.engine.blueprint import parse_blueprint
 
     pol = get_policy("foresight", sinks=4, recent=8)
     return Session(engine, SessionConfig(policy=pol, budget=B, chunk=H, limit=L if bounded else None,
@@ -203,7 +203,7 @@ def test_snapshot_carries_spilled_kv_to_a_fresh_store(engine):
 
 
 def test_server_replay_rederives_rehydration(engine):
-    from kvsteward.serve.store import replay
+    from kvsteward.serve.server.store import replay
 
     s = _tiered(engine)
     msgs = _messages(31)
@@ -216,7 +216,7 @@ def test_server_replay_rederives_rehydration(engine):
 
 
 def test_spill_needs_an_evicting_policy(engine):
-    from kvsteward.serve.session import CacheOpError
+    from kvsteward.serve.engine.session import CacheOpError
 
     with pytest.raises(CacheOpError, match="spill store needs an evicting policy"):
         Session(engine, SessionConfig(policy=get_policy("full"), spill=host_store()))
@@ -242,8 +242,8 @@ def _metric(client, name: str) -> float:
 def test_server_pace_tiered_rehydrates_and_matches_across_tiers(tmp_path, spill_tier):
     from starlette.testclient import TestClient
 
-    from kvsteward.serve.api import ServerConfig, create_app
-    from kvsteward.serve.testing import tiny_chat_engine
+    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.testing import tiny_chat_engine
 
     engine = tiny_chat_engine(seed=2)
     body = {"messages": CHAT, "max_tokens": 4, "policy": "pace-tiered", "budget": 160, "limit": 1024,
@@ -265,7 +265,7 @@ def test_server_pace_tiered_rehydrates_and_matches_across_tiers(tmp_path, spill_
 
 
 def test_bench_rehydrate_reports_every_tier(engine, valkey_url, tmp_path):
-    from kvsteward.serve.checks import bench_rehydrate
+    from kvsteward.serve.bench.checks import bench_rehydrate
 
     out = bench_rehydrate(engine, span_tokens=40, filler_messages=4, budget=96, chunk=32, limit=256,
                           valkey_url=valkey_url, repeats=1, disk_dir=str(tmp_path))
@@ -294,8 +294,8 @@ def test_random_histories_with_rehydration_match_reference(engine, ops, plan, bo
     blueprint: the final state and logits equal the reference replay of its history, the history simulation agrees,
     every rehydrated token belongs to a span its step reads, resident never exceeds B + H, and the server's
     log replay re-derives the same history."""
-    from kvsteward.serve.blueprint import parse_blueprint
-    from kvsteward.serve.store import replay
+    from kvsteward.serve.engine.blueprint import parse_blueprint
+    from kvsteward.serve.server.store import replay
 
     blueprint = parse_blueprint([{"span": [a, a + n], "readers": r} for a, n, r in plan])
     config = dict(policy=get_policy("foresight", sinks=2, recent=4), budget=16, chunk=8,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.restore import plan_history, restore
+from kvsteward.serve.engine.restore import plan_history, restore
 
 torch.set_num_threads(1)
 
@@ -96,7 +96,7 @@ def test_window_policies_refuse_restore(engine):
 
 
 def test_bench_restore_agrees_with_sequential_replay():
-    from kvsteward.serve.checks import bench_restore
+    from kvsteward.serve.bench.checks import bench_restore
 
     out = bench_restore(Engine(tiny_model("llama", layers=2)), messages=6, tokens_per_message=32)
     assert out["max_abs_logit_diff"] < 1e-4 and out["ops"] > 6

@@ -11,10 +11,10 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.ops import SessionSpec, message_pieces, message_ranges
-from kvsteward.serve.reference import ReferenceSession
-from kvsteward.serve.testing import ServerThread, tiny_chat_engine
+from kvsteward.serve.engine.ops import SessionSpec, message_pieces, message_ranges
+from kvsteward.serve.engine.reference import ReferenceSession
+from kvsteward.serve.server.api import ServerConfig, create_app
+from kvsteward.serve.server.testing import ServerThread, tiny_chat_engine
 
 torch.set_num_threads(1)
 

@@ -14,9 +14,11 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.aux import AuxConfig, _candidates, fork_point, open_cursors, run_aux
-from kvsteward.serve.testing import live, tiny_chat_engine, turn
+from kvsteward.serve.manager.decode import _candidates
+from kvsteward.serve.manager.thread import fork_point, open_cursors, run_aux
+from kvsteward.serve.manager.worker import AuxConfig
+from kvsteward.serve.server.api import ServerConfig, create_app
+from kvsteward.serve.server.testing import live, tiny_chat_engine, turn
 
 torch.set_num_threads(1)
 
@@ -195,7 +197,7 @@ def test_the_worker_decodes_with_the_configured_confidence_rule(engine, tmp_path
     """`AuxConfig.min_confidence` reaches the worker's decode: the branch decode runs with that threshold (a spy
     around the real one), and its decision is what the session gets (this module's model lists every read cursor
     with certainty, so the confident list is the greedy one)."""
-    import kvsteward.serve.aux as aux_mod
+    from kvsteward.serve.manager import thread as aux_mod
 
     seen = []
     real = aux_mod._confident_steps
@@ -250,7 +252,7 @@ def test_a_pending_decision_survives_a_kill(engine, tmp_path):
 def test_the_worker_serves_the_engine_s_aux_context(engine, tmp_path, monkeypatch):
     """An engine whose adapter was trained with `--aux-context first`: the worker's decode follows a session holding
     the conversation's first message (once per decision, given the messages up to the boundary), not the fork."""
-    from kvsteward.serve import aux as aux_mod
+    from kvsteward.serve.manager import thread as aux_mod
 
     seen: list[list[dict]] = []
     real = aux_mod.first_message_session
@@ -290,7 +292,7 @@ def test_fork_mid_turn_right_after_the_tool_message(engine, tmp_path):
 
 
 def _message_ranges(records: list[dict]) -> list[tuple[int, int]]:
-    from kvsteward.serve.store import message_ranges_of
+    from kvsteward.serve.server.store import message_ranges_of
 
     return message_ranges_of([op for r in records[1:] for op in r["ops"]])
 
@@ -402,7 +404,7 @@ def test_serve_cli_sets_the_aux_head_cache(tiny_folder, tmp_path, monkeypatch):
     import uvicorn
     from typer.testing import CliRunner
 
-    import kvsteward.serve.api as api
+    import kvsteward.serve.server.api as api
     from kvsteward.pipelines.cli import app
 
     seen = {}
@@ -415,7 +417,7 @@ def test_serve_cli_sets_the_aux_head_cache(tiny_folder, tmp_path, monkeypatch):
 
 
 def test_bench_aux_plumbing(engine):
-    from kvsteward.serve.checks import bench_aux
+    from kvsteward.serve.bench.checks import bench_aux
 
     # gap: the agent's tool time, in which the aux decodes; long enough that a loaded CPU still finishes calls
     out = bench_aux(engine, turns=4, every=1, gap=0.2, max_tokens=2, aux_max_tokens=8)
@@ -500,7 +502,7 @@ def _traffic(sched, seconds: float, forward_s: float = 0.01) -> tuple[int, list[
 
 
 def test_aux_starvation_bound_under_constant_traffic():
-    from kvsteward.serve.aux import Scheduler
+    from kvsteward.serve.manager.worker import Scheduler
 
     starved, _ = _traffic(Scheduler(), 0.6)
     assert starved == 0  # default: the aux runs only in idle time, so constant traffic starves it

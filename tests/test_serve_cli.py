@@ -42,9 +42,9 @@ def test_bad_default_policy_is_refused_before_serving(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_answers_the_openai_client(tmp_path):
-    from kvsteward.serve.api import ServerConfig, create_app
     from kvsteward.serve.engine import Engine
-    from kvsteward.serve.testing import ServerThread
+    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.testing import ServerThread
 
     app = create_app(Engine.load("smollm2"), ServerConfig(model_name="smollm2", data_dir=tmp_path))
     with ServerThread(app) as url:

@@ -17,9 +17,9 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.session import Session
-from kvsteward.serve.testing import ServerThread, tiny_chat_engine
+from kvsteward.serve.engine.session import Session
+from kvsteward.serve.server.api import ServerConfig, create_app
+from kvsteward.serve.server.testing import ServerThread, tiny_chat_engine
 
 torch.set_num_threads(1)
 

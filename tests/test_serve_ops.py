@@ -10,7 +10,7 @@ import torch
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.ops import (
+from kvsteward.serve.engine.ops import (
     CacheSpec,
     OpsError,
     SessionSpec,
@@ -23,7 +23,7 @@ from kvsteward.serve.ops import (
     resolve_blueprint,
     session_spec,
 )
-from kvsteward.serve.reference import ReferenceSession
+from kvsteward.serve.engine.reference import ReferenceSession
 
 torch.set_num_threads(1)
 

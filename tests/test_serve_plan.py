@@ -13,21 +13,14 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.aux import (
-    PLAN_HORIZON,
-    PLAN_PREFIX,
-    AuxConfig,
-    PlanError,
-    PlanGrammar,
-    _candidates,
-    open_cursors,
-    parse_plan,
-    run_plan,
-)
-from kvsteward.serve.blueprint import PlannedSpan
-from kvsteward.serve.store import RebuildError
-from kvsteward.serve.testing import live, tiny_chat_engine, turn
+from kvsteward.serve.engine.blueprint import PlannedSpan
+from kvsteward.serve.manager.decode import _candidates
+from kvsteward.serve.manager.planner import PLAN_HORIZON, PLAN_PREFIX, PlanError, PlanGrammar, parse_plan, run_plan
+from kvsteward.serve.manager.thread import open_cursors
+from kvsteward.serve.manager.worker import AuxConfig
+from kvsteward.serve.server.api import ServerConfig, create_app
+from kvsteward.serve.server.store import RebuildError
+from kvsteward.serve.server.testing import live, tiny_chat_engine, turn
 from kvsteward.synth.hindsight import plan_target, target_text
 from kvsteward.synth.trace import Trace
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from kvsteward.serve.api import ServerConfig, create_app
-from kvsteward.serve.reference import ReferenceSession
-from kvsteward.serve.testing import free_port, tiny_chat_engine
+from kvsteward.serve.engine.reference import ReferenceSession
+from kvsteward.serve.server.api import ServerConfig, create_app
+from kvsteward.serve.server.testing import free_port, tiny_chat_engine
 
 torch.set_num_threads(1)
 

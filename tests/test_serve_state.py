@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kvsteward.models import tiny_model
-from kvsteward.serve.completions import ChatService, ServeLimits
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.metrics import Metrics
-from kvsteward.serve.ops import SessionSpec, build_ops, message_ranges, parse_cache
-from kvsteward.serve.state import PrefixCache, compact_copy, replay_positions, unreposition
+from kvsteward.serve.engine.ops import SessionSpec, build_ops, message_ranges, parse_cache
+from kvsteward.serve.server.completions import ChatService, ServeLimits
+from kvsteward.serve.server.metrics import Metrics
+from kvsteward.serve.server.state import PrefixCache, compact_copy, replay_positions, unreposition
 
 torch.set_num_threads(1)
 

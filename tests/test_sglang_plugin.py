@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from kvsteward.kernels.rope import apply_rope, rope_spec  # noqa: E402
-from kvsteward.serve.ops import OpsError  # noqa: E402
+from kvsteward.serve.engine.ops import OpsError  # noqa: E402
 from kvsteward.serve.sglang import aux  # noqa: E402
 from kvsteward.serve.sglang.ops import parse_request, request_fields  # noqa: E402
 from kvsteward.serve.sglang.pool import drop_from_row, reposition_row  # noqa: E402
@@ -366,7 +366,7 @@ def test_aux_fork_close_bias_is_sglang_logit_bias_on_the_closing_tokens():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from kvsteward.models import load_tokenizer
-    from kvsteward.serve.aux import closing_tokens
+    from kvsteward.serve.manager.decode import closing_tokens
 
     tok = load_tokenizer("smollm2")
     closing = closing_tokens(tok)

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsteward.models import tiny_model
-from kvsteward.serve.attention import ForwardContext, steward_attention
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.reference import ReferenceSession
-from kvsteward.serve.slots import SharedPrefix
+from kvsteward.serve.engine.attention import ForwardContext, steward_attention
+from kvsteward.serve.engine.reference import ReferenceSession
+from kvsteward.serve.engine.slots import SharedPrefix
 
 torch.set_num_threads(1)
 
@@ -113,10 +113,10 @@ def test_fork_of_a_shared_fork_shares_the_same_rows(engine):
 def test_tiered_fork_spills_prefix_rows_and_rehydrates_them(engine):
     """A shared fork evicting planned rows it reads from the parent exports them from the parent's buffers; they come
     back at their readers as in a copy fork (the three 16-token spans of messages 10-12, read at steps 20/25/30)."""
-    from kvsteward.serve.blueprint import parse_blueprint
-    from kvsteward.serve.policies import get_policy
-    from kvsteward.serve.session import Session, SessionConfig
-    from kvsteward.serve.spill import host_store
+    from kvsteward.serve.engine.blueprint import parse_blueprint
+    from kvsteward.serve.engine.policies import get_policy
+    from kvsteward.serve.engine.session import Session, SessionConfig
+    from kvsteward.serve.engine.spill import host_store
 
     blueprint = [{"span": [184 + 16 * i, 200 + 16 * i], "readers": [r]} for i, r in enumerate((20, 25, 30))]
     config = SessionConfig(policy=get_policy("foresight", sinks=4, recent=8), budget=48, chunk=16, limit=128,
@@ -213,7 +213,7 @@ def test_two_segment_attention_equals_dense_attention(mode):
 
 
 def test_bench_fork_plumbing(engine):
-    from kvsteward.serve.checks import bench_fork
+    from kvsteward.serve.bench.checks import bench_fork
 
     out = bench_fork(engine, resident=48, chunk=16, repeats=1)
     for policy in ("full", "h2o"):

@@ -178,4 +178,4 @@ def test_cli_traces_hindsight_stats_have_no_label_errors(tmp_path):
     stats = json.loads(ok(["synth", "stats", str(ds), "--json"]))
     assert stats["label_errors"] == 0 and stats["main"] == 3 and stats["aux_delete"] > 0
     r = runner.invoke(app, ["synth", "traces", "--source", "nope", "--tasks", "1", "--out", str(tmp_path / "x")])
-    assert r.exit_code == 2 and "unknown --source" in r.output
+    assert r.exit_code == 2 and "unknown environment" in r.output and "nope" in r.output

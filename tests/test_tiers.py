@@ -7,7 +7,7 @@ import torch
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.tiers import DiskTier, HostTier, TieredStore, ValkeyTier, load_snapshot, snapshot
+from kvsteward.serve.engine.tiers import DiskTier, HostTier, TieredStore, ValkeyTier, load_snapshot, snapshot
 
 torch.set_num_threads(1)
 
@@ -75,8 +75,8 @@ def test_server_moves_idle_sessions_to_disk_and_restores_them_bit_exactly(tmp_pa
     copy is used."""
     from starlette.testclient import TestClient
 
-    from kvsteward.serve.api import ServerConfig, create_app
-    from kvsteward.serve.testing import tiny_chat_engine
+    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.testing import tiny_chat_engine
 
     eng = tiny_chat_engine(seed=6)
     turns = [{"messages": [{"role": "user", "content": "List files."}], "max_tokens": 4},
@@ -134,8 +134,8 @@ def test_server_tier_budgets_push_states_down_to_valkey(tmp_path, valkey_url):
     back from there unchanged."""
     from starlette.testclient import TestClient
 
-    from kvsteward.serve.api import ServerConfig, create_app
-    from kvsteward.serve.testing import tiny_chat_engine
+    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.testing import tiny_chat_engine
 
     eng = tiny_chat_engine(seed=6)
     app = create_app(eng, ServerConfig(data_dir=tmp_path, session_bytes=1, host_tier_bytes=0, disk_tier_bytes=0,

@@ -1,5 +1,5 @@
 """`--adapter-scope aux`: the trainer's loss is the one the serving engine computes — main context through the base
-model, only the aux fork with the adapter (`serve/session.py`) — for per-boundary rows and packed rows alike."""
+model, only the aux fork with the adapter (`serve/engine/session.py`) — for per-boundary rows and packed rows alike."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvsteward.models import adapter_meta, tiny_model
-from kvsteward.serve.aux import run_aux
 from kvsteward.serve.engine import Engine
+from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.chat import message_token_ids
 from kvsteward.synth.dataset import HindsightConfig, build_dataset
 from kvsteward.synth.generate import generate_traces

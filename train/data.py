@@ -208,8 +208,9 @@ def first_message_rows(ds: Dataset, tokenizer) -> Dataset:
     session, so the late boundaries (many open cursors, the recap's fact pages) fit `--max-len` instead of being
     dropped. The cut saves less time than its length suggests: on CPU the aux thread's own tokens, with gradients
     through every adapted layer, cost most of a step. The adapter records the cut (`kvsteward.json`
-    `aux_context`), and the server runs its aux thread on the first message alone too (`serve.aux.aux_steps`): the
-    served computation is the trained one. Packed rows are refused: their branches are defined by the trunk they sit on.
+    `aux_context`), and the server runs its aux thread on the first message alone too
+    (`serve.manager.thread.aux_steps`): the served computation is the trained one. Packed rows are refused: their
+    branches are defined by the trunk they sit on.
     """
     if "messages" not in ds.column_names:
         raise DataError(f"--aux-context first needs the hindsight column 'messages'; the dataset has "

@@ -3,9 +3,9 @@
 The validation CE (`eval_loss`) is teacher-forced and mixes the format tokens and the ids every manager deletes with
 the few tokens that decide; session 11 measured two adapters where the lower CE was the worse manager. This scores
 what the server does instead: per row, the context before `fork_at` through the base model, then the adapter on the
-trigger, the forced opener and a greedy decode constrained to the open cursors that have been read (`serve.aux`'s own
-decoder, `keep_unread`), compared with the row's hindsight target. A false positive on a per-boundary row is a cursor
-that a later step reads, i.e. a harmful deletion, so `precision` is 1 − the rows' harmful rate.
+trigger, the forced opener and a greedy decode constrained to the open cursors that have been read (`serve.manager`'s
+own decoder, `keep_unread`), compared with the row's hindsight target. A false positive on a per-boundary row is a
+cursor that a later step reads, i.e. a harmful deletion, so `precision` is 1 − the rows' harmful rate.
 
 The rows' own tokens are used (positions renumbered after pre-masking, as the trainer sees them), not a replay of the
 trace: what is scored is exactly what is trained. `steward eval manager` remains the end-to-end measure.
@@ -34,7 +34,7 @@ class DecisionRow:
 
 def decision_rows(ds: Dataset, tokenizer) -> list[DecisionRow]:
     """The per-boundary deletion rows of `ds` as decoder inputs; refuses rows the served decoder cannot replay."""
-    from kvsteward.serve.aux import PREFIX
+    from kvsteward.serve.manager.decode import PREFIX
 
     missing = [c for c in NEEDS if c not in ds.column_names]
     if missing:
@@ -64,7 +64,7 @@ def decision_rows(ds: Dataset, tokenizer) -> list[DecisionRow]:
 
 def decide(engine, row: DecisionRow, max_tokens: int = 64) -> list[int]:
     """The served aux thread's greedy decision on one row: context on the base model, the rest with the adapter."""
-    from kvsteward.serve.aux import constrained_del_cursors
+    from kvsteward.serve.manager.decode import constrained_del_cursors
 
     if not row.deletable:  # the server answers "delete nothing" without a forward here
         return []

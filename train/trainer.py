@@ -199,8 +199,8 @@ class StewardTrainer(Trainer):
         return (loss, {"ce_aux": ce.detach(), "kl_main": kl.detach()}) if return_outputs else loss
 
     def _aux_thread_loss(self, model, inputs, return_outputs=False):
-        """CE of the aux targets exactly as the server computes them (`serve/session.py`: main threads run the base
-        model, the aux fork runs the adapter). Per row: the main context (tokens before `fork_at`, a packed row's
+        """CE of the aux targets exactly as the server computes them (`serve/engine/session.py`: main threads run the
+        base model, the aux fork runs the adapter). Per row: the main context (tokens before `fork_at`, a packed row's
         trunk under its tree mask) goes through the base model without grad into a KV cache; the aux thread's tokens
         (trigger, opener, target; a packed row's branches) run with the adapter on that cache, each seeing what its
         mask allows. Only those few dozen tokens carry gradients, so a row costs about one no-grad forward of its

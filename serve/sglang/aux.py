@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from kvsteward.serve.ops import OpsError
+from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import request_fields
 
 _DEL = re.compile(r'\{\s*"del_cursors"\s*:\s*\[([0-9,\s]*)\]\s*\}')
@@ -28,10 +28,11 @@ def fork_request(messages: list[list[int]], cache: dict | None, trigger: list[in
     """`/generate` body for the aux thread: the main history up to the boundary (message token ids ending with the
     tool response; the main's prompt, which the tree holds as a prefix of its cached path) plus the trigger (the
     trigger message and the assistant opener, as token ids). `close_bias` is the engine's `AuxConfig.close_bias`, as
-    SGLang's `logit_bias` on `closing_tokens` (`kvsteward.serve.aux.closing_tokens(tokenizer)`); for an adapter
-    calibrated by `steward eval calibrate`, `kvsteward.models.adapter_meta(adapter)["close_bias"]`."""
+    SGLang's `logit_bias` on `closing_tokens` (`kvsteward.serve.manager.decode.closing_tokens(tokenizer)`); for an
+    adapter calibrated by `steward eval calibrate`, `kvsteward.models.adapter_meta(adapter)["close_bias"]`."""
     if close_bias and not closing_tokens:
-        raise ValueError("close_bias needs the closing token ids (kvsteward.serve.aux.closing_tokens(tokenizer))")
+        raise ValueError("close_bias needs the closing token ids "
+                         "(kvsteward.serve.manager.decode.closing_tokens(tokenizer))")
     body = request_fields([*messages, list(trigger)], cache, via=via)
     params = body.setdefault("sampling_params", {})
     params.update({"max_new_tokens": max_new_tokens, "temperature": 0.0})

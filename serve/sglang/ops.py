@@ -1,7 +1,7 @@
 """The op history a request carries to SGLang, and what SGLang must compute for it. No sglang import.
 
 A request to SGLang's `/generate` (or `sgl.Engine.generate`) carries the conversation in the grammar of
-`kvsteward.serve.ops` (AKV §4.1), with messages as token ids:
+`kvsteward.serve.engine.ops` (AKV §4.1), with messages as token ids:
 
     custom_params = {"kvsteward": {"messages": [[ids of message 0], [ids of message 1], ...],
                                    "cache": {"drop": {"<i>": [j, ...]}, "reposition": [i, ...]}}}
@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvsteward.serve.ops import OpsError, build_ops, message_ranges, parse_cache
+from kvsteward.serve.engine.ops import OpsError, build_ops, message_ranges, parse_cache
 
 FIELD = "kvsteward"
 EXTRA_KEY_PREFIX = "kvsteward:"
@@ -76,8 +76,8 @@ def _token_list(x: Any, where: str) -> tuple[int, ...]:
 
 
 def elements_from_messages(messages: list[tuple[int, ...]], cache: Any) -> tuple[Element, ...]:
-    """Token-level elements of the message grammar: serve/ops.py's `build_ops`, with drops of messages turned into
-    drops of their logical tokens and consecutive appends merged."""
+    """Token-level elements of the message grammar: serve/engine/ops.py's `build_ops`, with drops of messages turned
+    into drops of their logical tokens and consecutive appends merged."""
     spec = parse_cache(cache, len(messages))
     ranges = message_ranges([list(m) for m in messages])
     out: list[Element] = []

@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from kvsteward.kernels.rope import RopeSpec
-from kvsteward.serve.ops import OpsError
+from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
 from kvsteward.serve.sglang.positions import OFFSET_ATTR

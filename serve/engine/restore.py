@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvsteward.kernels.rope import rerotate, rotation_cos_sin
-from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
-from kvsteward.serve.session import RESIDENT, Session, SessionConfig, _EngineCache, move_resident
+from kvsteward.serve.engine.attention import ForwardContext, steward_attention_enabled
+from kvsteward.serve.engine.session import RESIDENT, Session, SessionConfig, _EngineCache, move_resident
 
 
 @dataclass

@@ -7,7 +7,8 @@ Operations (each appended to `history`, which is the state's identity — AKV Fi
   the next position is not reduced.
 - `reposition()`: survivors take positions 0..r-1 in logical order (K' = R(p') R(p)^-1 K, V unchanged); next at r.
 - bounded positions (limit L): before a chunk would reach L, resident slots are renumbered the same way (`renumber`).
-- tiered rehydration (a spill store, `serve/spill.py`): evicted tokens of planned spans with a reader still ahead are
+- tiered rehydration (a spill store, `serve/engine/spill.py`): evicted tokens of planned spans with a reader still
+ahead are
   kept in a storage tier; when a step that reads a span opens, the policy first evicts to B − m (so resident never
   exceeds B), then the span's m evicted tokens come back (`rehydrate`) with the K/V and position they had when they
   left, and — bounded positions, or positions no longer in logical order after a reposition — the residents are
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsteward.serve.attention import ForwardContext, steward_attention_enabled
-from kvsteward.serve.blueprint import PlannedSpan
-from kvsteward.serve.policies import Policy, SlotView, select_keep
-from kvsteward.serve.slots import SlotTable
-from kvsteward.serve.spill import SpillStore, pack_rows
+from kvsteward.serve.engine.attention import ForwardContext, steward_attention_enabled
+from kvsteward.serve.engine.blueprint import PlannedSpan
+from kvsteward.serve.engine.policies import Policy, SlotView, select_keep
+from kvsteward.serve.engine.slots import SlotTable
+from kvsteward.serve.engine.spill import SpillStore, pack_rows
 
 RESIDENT, DROPPED, EVICTED = 0, 1, 2
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvsteward.serve.slots import SharedPrefix
+from kvsteward.serve.engine.slots import SharedPrefix
 
 NAME = "steward"
 _QUERY_TILE_ELEMS = 1 << 22  # floats of one probability tile (≈16 MiB fp32): bounds score memory on long sessions

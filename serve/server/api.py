@@ -4,7 +4,7 @@ Endpoints: POST /v1/chat/completions, GET /v1/models, POST/GET /v1/sessions, GET
 POST /v1/sessions/{id}/messages, GET /metrics, GET /health. Every error is `{"error": {"message", "type", "param"}}`
 with a 4xx status naming the problem (5xx only for server faults); the server keeps serving after any of them.
 Handlers are sync (run in the threadpool); one model forward at a time through a shared engine lock, a scheduler
-that gives main requests priority over the aux memory-manager thread (`kvsteward.serve.aux`).
+that gives main requests priority over the aux memory-manager thread (`kvsteward.serve.manager`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvsteward.serve.aux import AuxConfig, Scheduler
-from kvsteward.serve.completions import ChatService, ServeLimits, completion_id, usage
-from kvsteward.serve.metrics import Metrics
-from kvsteward.serve.ops import OpsError, SessionSpec
-from kvsteward.serve.session import CacheOpError
-from kvsteward.serve.store import RebuildError, SessionNotFound, SessionStore
+from kvsteward.serve.engine.ops import OpsError, SessionSpec
+from kvsteward.serve.engine.session import CacheOpError
+from kvsteward.serve.manager.worker import AuxConfig, Scheduler
+from kvsteward.serve.server.completions import ChatService, ServeLimits, completion_id, usage
+from kvsteward.serve.server.metrics import Metrics
+from kvsteward.serve.server.store import RebuildError, SessionNotFound, SessionStore
 
 
 @dataclass
@@ -50,8 +50,8 @@ class ServerConfig:
 def make_spill(config: ServerConfig, root: Path, metrics):
     """The spill store of tiered arms, in the configured tier; blobs a previous run left on disk are orphans (their
     sessions rebuild by replay, which spills again) and are removed."""
-    from kvsteward.serve.spill import SpillStore
-    from kvsteward.serve.tiers import DiskTier, HostTier, ValkeyTier
+    from kvsteward.serve.engine.spill import SpillStore
+    from kvsteward.serve.engine.tiers import DiskTier, HostTier, ValkeyTier
 
     if config.spill_tier == "host":
         tier = HostTier()
@@ -78,7 +78,7 @@ def make_spill(config: ServerConfig, root: Path, metrics):
 def make_tiers(config: ServerConfig, root: Path, metrics, known: set[str]):
     """The server's SessionTiers (host → disk [→ Valkey]); disk blobs of known sessions left by an earlier run are
     adopted (they are used only if their history matches the log), others removed."""
-    from kvsteward.serve.tiers import DiskTier, HostTier, SessionTiers, ValkeyTier
+    from kvsteward.serve.engine.tiers import DiskTier, HostTier, SessionTiers, ValkeyTier
 
     tiers, budgets = [HostTier(), DiskTier(root / "tiers")], [config.host_tier_bytes, config.disk_tier_bytes]
     if config.valkey_url:

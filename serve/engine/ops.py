@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsteward.serve.blueprint import BlueprintError, PlannedSpan, parse_blueprint
+from kvsteward.serve.engine.blueprint import BlueprintError, PlannedSpan, parse_blueprint
 
 Op = tuple
 ROLE_KIND = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -291,7 +291,7 @@ def resolve_blueprint(data: Any, ranges: list[tuple[int, int]] | None) -> tuple[
 def session_spec(engine, defaults: SessionSpec, policy: Any = None, budget: Any = None, limit: Any = None,
                  blueprint: tuple[PlannedSpan, ...] = ()) -> SessionSpec:
     """Request overrides on the server defaults, checked by building a session (cheap: no forward)."""
-    from kvsteward.serve.policies import ARMS, POLICIES
+    from kvsteward.serve.engine.policies import ARMS, POLICIES
 
     name = defaults.policy if policy is None else policy
     if not isinstance(name, str) or (name not in POLICIES and name not in ARMS):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kvsteward.serve.engine import Engine
-from kvsteward.serve.reference import ReferenceSession
+from kvsteward.serve.engine.reference import ReferenceSession
 
 Progress = Callable[[str], None]
 
@@ -128,7 +128,7 @@ def bench_restore(engine: Engine, messages: int = 12, tokens_per_message: int = 
                   repeats: int = 2, progress: Progress | None = None) -> dict:
     """Restore an agent-style op history (appends, drops of old tool outputs, repositions) by one segment-batch
     forward vs the sequential replay of its ops, same run; both must give the same final logits."""
-    from kvsteward.serve.restore import restore
+    from kvsteward.serve.engine.restore import restore
 
     gen = torch.Generator().manual_seed(seed)
     s = engine.session("full", chunk=1 << 30)
@@ -161,7 +161,7 @@ def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: in
     """Restore time of one bounded session state from each tier (host memory, local disk, Valkey), same run."""
     import tempfile
 
-    from kvsteward.serve.tiers import DiskTier, HostTier, TieredStore, ValkeyTier, snapshot
+    from kvsteward.serve.engine.tiers import DiskTier, HostTier, TieredStore, ValkeyTier, snapshot
 
     s = engine.session("pace", budget=budget, chunk=chunk, limit=limit)
     s.append(_tokens(tokens, engine.vocab_size, 3))
@@ -222,8 +222,8 @@ def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int
     history keys)."""
     import tempfile
 
-    from kvsteward.serve.spill import SpillStore
-    from kvsteward.serve.tiers import DiskTier, HostTier, ValkeyTier
+    from kvsteward.serve.engine.spill import SpillStore
+    from kvsteward.serve.engine.tiers import DiskTier, HostTier, ValkeyTier
 
     msgs = [_tokens(span_tokens, engine.vocab_size, 11), _tokens(span_tokens, engine.vocab_size, 12)]
     msgs += [_tokens(chunk, engine.vocab_size, 20 + i) for i in range(filler_messages)] + [[7, 8, 9]]
@@ -280,11 +280,11 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
     import tempfile
     from pathlib import Path
 
-    from kvsteward.serve.aux import AuxConfig, Scheduler
-    from kvsteward.serve.completions import ServeLimits
-    from kvsteward.serve.metrics import Metrics
-    from kvsteward.serve.ops import SessionSpec
-    from kvsteward.serve.store import SessionStore
+    from kvsteward.serve.engine.ops import SessionSpec
+    from kvsteward.serve.manager.worker import AuxConfig, Scheduler
+    from kvsteward.serve.server.completions import ServeLimits
+    from kvsteward.serve.server.metrics import Metrics
+    from kvsteward.serve.server.store import SessionStore
     from kvsteward.synth.generate import generate_traces
 
     use_adapter = engine.is_peft if use_adapter is None else use_adapter

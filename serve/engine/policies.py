@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvsteward.serve.blueprint import PlannedSpan, foresight_bonus
+from kvsteward.serve.engine.blueprint import PlannedSpan, foresight_bonus
 
 
 @dataclass

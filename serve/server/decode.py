@@ -15,7 +15,7 @@ import torch
 
 @dataclass
 class Decoder:
-    session: object  # kvsteward.serve.session.Session, already holding the prompt and the generation prompt
+    session: object  # kvsteward.serve.engine.session.Session, already holding the prompt and the generation prompt
     tokenizer: object
     lock: object
     max_new_tokens: int

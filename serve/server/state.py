@@ -1,8 +1,8 @@
 """The shared prefix cache: a trie keyed by the session config and the message-level op sequence (AKV §4.2).
 
 A path from the root is a sequence of ops `("append", kind, tokens)` / `("drop", messages)` / `("reposition",)`
-(see `kvsteward.serve.ops`); a node may hold the engine state reached by exactly that path. A request walks its own
-op sequence, takes the deepest node holding a state, forks it (an independent copy) and applies only the rest, so
+(see `kvsteward.serve.engine.ops`); a node may hold the engine state reached by exactly that path. A request walks its
+own op sequence, takes the deepest node holding a state, forks it (an independent copy) and applies only the rest, so
 two requests share state exactly up to the first token or op that differs, and a drop in one request never changes
 another's state (the cache only ever hands out copies).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsteward.serve.ops import Op
+from kvsteward.serve.engine.ops import Op
 
 REPOSITION: Op = ("reposition",)
 
@@ -61,7 +61,7 @@ def compact_copy(session):
 def replay_positions(history: list[dict]) -> tuple[dict[int, int], int]:
     """Physical position of every resident logical token, and the next position, after the engine `history`: the
     restore planner's metadata-only simulation of the history (no forward)."""
-    from kvsteward.serve.restore import plan_history
+    from kvsteward.serve.engine.restore import plan_history
 
     plan = plan_history(history)
     return dict(zip(plan.resident, plan.final_pos, strict=True)), plan.next_pos
@@ -84,8 +84,8 @@ def unreposition(session, k: int) -> None:
     history never moved a key, as in a fresh build. Raises ValueError (session unchanged) when the history does not
     end in k repositions or the replayed residents differ from the table's.
     """
-    from kvsteward.serve.restore import plan_history
-    from kvsteward.serve.session import move_resident
+    from kvsteward.serve.engine.restore import plan_history
+    from kvsteward.serve.engine.session import move_resident
 
     if not 1 <= k <= trailing_repositions(session.history):
         raise ValueError(f"the history does not end in {k} reposition(s)")

@@ -13,10 +13,10 @@ the state is the one acknowledged — and the rebuilt history must equal the per
 fails loudly. A torn last line (a kill during the write, never acknowledged) is cut off on load.
 
 Idle sessions beyond `max_bytes` of KV are unloaded LRU: their snapshot goes down the storage tiers (host memory →
-local disk → Valkey, `serve/tiers.py`) and comes back bit for bit on the next access; a tier copy is used only if its
-op history equals the persisted one (else it is discarded), and without one the session is rebuilt from its log.
+local disk → Valkey, `serve/engine/tiers.py`) and comes back bit for bit on the next access; a tier copy is used only
+if its op history equals the persisted one (else it is discarded), and without one the session is rebuilt from its log.
 
-The aux memory manager (SideQuest, `serve/aux.py`): a turn that appends the K-th, 2K-th, ... tool response of the
+The aux memory manager (SideQuest, `serve/manager/`): a turn that appends the K-th, 2K-th, ... tool response of the
 session forks it right after that tool message (and the cache ops that belong right after it), before the next
 message or the reply — the training boundary of `synth/hindsight.py` — and, once the turn is persisted, hands the fork
 to the aux worker, which decodes `{"del_cursors": [...]}` in idle time. The decision is applied at the start of the
@@ -46,11 +46,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsteward.serve.aux import AuxConfig, AuxJob, AuxWorker, fork_point, open_cursors, plan_blueprint
-from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.completions import check_context, max_new_tokens, stop_strings
-from kvsteward.serve.decode import Decoder
-from kvsteward.serve.ops import (
+from kvsteward.serve.engine.blueprint import PlannedSpan, parse_blueprint
+from kvsteward.serve.engine.ops import (
     ROLE_KIND,
     CacheSpec,
     OpsError,
@@ -64,6 +61,11 @@ from kvsteward.serve.ops import (
     resolve_blueprint,
     session_spec,
 )
+from kvsteward.serve.manager.planner import plan_blueprint
+from kvsteward.serve.manager.thread import fork_point, open_cursors
+from kvsteward.serve.manager.worker import AuxConfig, AuxJob, AuxWorker
+from kvsteward.serve.server.completions import check_context, max_new_tokens, stop_strings
+from kvsteward.serve.server.decode import Decoder
 
 ID_RE = re.compile(r"^sess_[0-9a-f]{24}$")
 
@@ -240,8 +242,9 @@ class Record:
 class SessionStore:
     def __init__(self, root: Path, engine, defaults: SessionSpec, lock, metrics, max_bytes: int, limits,
                  aux: AuxConfig | None = None, tiers=None):
-        """`lock`: the model lock (a `kvsteward.serve.aux.Scheduler` when `aux` is given: main work has priority);
-        `tiers`: a `kvsteward.serve.tiers.SessionTiers` for unloaded sessions (None: unload = drop, rebuild)."""
+        """`lock`: the model lock (a `kvsteward.serve.manager.worker.Scheduler` when `aux` is given: main work has
+        priority);
+        `tiers`: a `kvsteward.serve.engine.tiers.SessionTiers` for unloaded sessions (None: unload = drop, rebuild)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.engine, self.defaults, self.lock, self.metrics = engine, defaults, lock, metrics
@@ -558,7 +561,7 @@ class SessionStore:
                stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:
         """Run the ops, then the reply. `fork`: (k, callback) — call it once the ops of the turn's k-th new message
         (0-based, the ops that belong right after it included) have run, before the next append or the reply."""
-        from kvsteward.serve.completions import stop_ids
+        from kvsteward.serve.server.completions import stop_ids
 
         ranges = message_ranges_of(session.history)
         offset = session.n_logical

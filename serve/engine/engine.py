@@ -7,17 +7,17 @@ from contextlib import nullcontext
 
 import torch
 
-from kvsteward.serve.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.policies import ARMS, POLICIES, TIERED_ARMS, get_policy
-from kvsteward.serve.session import Session, SessionConfig
-from kvsteward.serve.spill import SpillStore, host_store
+from kvsteward.serve.engine.blueprint import PlannedSpan, parse_blueprint
+from kvsteward.serve.engine.policies import ARMS, POLICIES, TIERED_ARMS, get_policy
+from kvsteward.serve.engine.session import Session, SessionConfig
+from kvsteward.serve.engine.spill import SpillStore, host_store
 
 
 class Engine:
     def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
                  close_bias: float = 0.0, min_confidence: float | None = None):
         from kvsteward.kernels.rope import rope_spec
-        from kvsteward.serve.aux import check_close_bias, check_min_confidence
+        from kvsteward.models import check_close_bias, check_min_confidence
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
         self.model = model.eval()
@@ -30,8 +30,9 @@ class Engine:
         self.close_bias = check_close_bias(close_bias)
         # ... and the confidence rule chosen with it (None: the greedy list; `AuxConfig.min_confidence`).
         self.min_confidence = check_min_confidence(min_confidence)
-        # The aux thread's prefilled first messages (`serve.aux.first_message_session`), by (role, token ids, chunk):
-        # kept across decisions and sessions, least recently used out beyond `aux_head_tokens` tokens in all.
+        # The aux thread's prefilled first messages (`serve.manager.thread.first_message_session`), by (role, token
+        # ids, chunk): kept across decisions and sessions, least recently used out beyond `aux_head_tokens` tokens in
+        # all.
         self.aux_heads: OrderedDict[tuple, Session] = OrderedDict()
         self.aux_head_tokens = 8192
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")

@@ -4,7 +4,7 @@ A state is serialized whole — resident K/V (compacted to the resident slots), 
 metadata, the spilled planned KV of a tiered session, and the op history that defines it — as one safetensors blob
 (tensors bit for bit; the JSON header carries the rest). Every tier stores the same blob under the session's key, so
 moving a state down or back up never changes it; `TieredStore.fetch` reports which tier answered and how long the
-restore took. The same tier classes hold the spilled planned KV of tiered sessions (`serve/spill.py`).
+restore took. The same tier classes hold the spilled planned KV of tiered sessions (`serve/engine/spill.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvsteward.serve.session import Session, SessionConfig
+from kvsteward.serve.engine.session import Session, SessionConfig
 
 _SCALARS = ("next_pos", "n_messages", "current_step", "peak_resident", "renumbers")
 

@@ -14,8 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvsteward.serve.decode import Decoder
-from kvsteward.serve.ops import (
+from kvsteward.serve.engine.ops import (
     ROLE_KIND,
     OpsError,
     SessionSpec,
@@ -30,7 +29,8 @@ from kvsteward.serve.ops import (
     resolve_blueprint,
     session_spec,
 )
-from kvsteward.serve.state import PrefixCache
+from kvsteward.serve.server.decode import Decoder
+from kvsteward.serve.server.state import PrefixCache
 
 
 @dataclass

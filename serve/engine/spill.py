@@ -4,7 +4,7 @@ tiered rehydration).
 When a session with a spill store evicts slots that lie in a planned span whose reader is still ahead, those slots
 (keys as stored, values, fp32 reference keys when the table has them, and their metadata) are packed into one
 safetensors blob and put into the store's tier — host memory, local disk or Valkey, the same tier classes idle
-sessions use (`serve/tiers.py`). Only planned tokens are kept: an unplanned evicted token can never be asked for,
+sessions use (`serve/engine/tiers.py`). Only planned tokens are kept: an unplanned evicted token can never be asked for,
 so the store is bounded by the blueprint, not by the session length.
 
 Blobs are shared by forks of a session (a fork copies the index, not the KV), so each blob carries a reference
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvsteward.serve.slots import SlotTable
+from kvsteward.serve.engine.slots import SlotTable
 
 
 class SpillError(RuntimeError):
@@ -141,6 +141,6 @@ class SpillStore:
 
 
 def host_store() -> SpillStore:
-    from kvsteward.serve.tiers import HostTier
+    from kvsteward.serve.engine.tiers import HostTier
 
     return SpillStore(HostTier())

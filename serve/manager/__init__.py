@@ -1,0 +1,43 @@
+"""The learned memory manager as served: the aux thread that reads the session and deletes stale tool responses.
+
+Layers, imported one way (`worker` → `thread` → `planner`, `decode` → the engine):
+- `decode`: the deletion list's grammar and its decision rules (greedy, close bias, confidence);
+- `planner`: `Planning mode`, its grammar and the blueprint it becomes;
+- `thread`: one aux decision on a fork of the main session (`run_aux`, `aux_steps`, `fork_point`);
+- `worker`: the server's background worker and the model lock with priorities (`AuxWorker`, `Scheduler`).
+"""
+
+from kvsteward.serve.manager.decode import (
+    LIST_OPEN,
+    PREFIX,
+    AuxDecision,
+    check_close_bias,
+    check_min_confidence,
+    closing_tokens,
+    confident_del_cursors,
+    constrained_del_cursors,
+    drive,
+    valid_tail,
+)
+from kvsteward.serve.manager.planner import (
+    PLAN_HORIZON,
+    PLAN_PREFIX,
+    PlanDecision,
+    PlanError,
+    PlanGrammar,
+    check_plan,
+    parse_plan,
+    plan_blueprint,
+    plan_steps,
+    run_plan,
+)
+from kvsteward.serve.manager.thread import aux_steps, first_message_session, fork_point, open_cursors, run_aux
+from kvsteward.serve.manager.worker import AuxConfig, AuxJob, AuxWorker, Scheduler
+
+__all__ = [
+    "LIST_OPEN", "PLAN_HORIZON", "PLAN_PREFIX", "PREFIX", "AuxConfig", "AuxDecision", "AuxJob", "AuxWorker",
+    "PlanDecision", "PlanError", "PlanGrammar", "Scheduler", "aux_steps", "check_close_bias", "check_min_confidence",
+    "check_plan", "closing_tokens", "confident_del_cursors", "constrained_del_cursors", "drive",
+    "first_message_session", "fork_point", "open_cursors", "parse_plan", "plan_blueprint", "plan_steps", "run_aux",
+    "run_plan", "valid_tail",
+]
