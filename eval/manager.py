@@ -29,7 +29,7 @@ from kvsteward.serve.engine import Engine
 from kvsteward.serve.manager.decode import AuxDecision
 from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
-from kvsteward.synth.hindsight import PLAN_TRIGGER, boundaries, expired, future_readers
+from kvsteward.synth.hindsight import PLAN_TRIGGER, boundaries, expired, future_readers, unread_cursors
 from kvsteward.synth.trace import Trace
 
 ANSWER_PREFIX = "Final answer: "
@@ -54,6 +54,10 @@ class Tally:
     # later step (`harm_kind`): where a manager's mistakes come from
     harmful_by_reader: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HARM_KINDS, 0))
     deleted: int = 0
+    decisions: int = 0  # read open cursors at the boundaries: what any arm may delete (unread ones are kept)
+    # per cue of the trace's generator (`Trace.cues`; "" when none): {"n", "deleted", "tp", "fp", "fn"} over the
+    # decisions on cursors of that cue — where a manager's mistakes come from
+    by_cue: dict[str, dict[str, int]] = field(default_factory=dict)
     calls: int = 0
     parse_fail: int = 0
     plan_tp: int = 0
@@ -74,7 +78,12 @@ class Tally:
                 mine.extend(theirs)
             elif isinstance(mine, dict):
                 for k, v in theirs.items():
-                    mine[k] = mine.get(k, 0) + v
+                    if isinstance(v, dict):
+                        inner = mine.setdefault(k, {})
+                        for kk, vv in v.items():
+                            inner[kk] = inner.get(kk, 0) + vv
+                    else:
+                        mine[k] = mine.get(k, 0) + v
             else:
                 setattr(self, f.name, mine + theirs)
 
@@ -109,9 +118,21 @@ def _final_answer(engine: Engine, s, messages: list[dict], final_message: str, g
     return text_prefix_match(tok.decode(gen, skip_special_tokens=True), gold), nll, _kv_reads(before, len(gen))
 
 
+def _count_cues(tally: Tally, trace: Trace, decided: list[int], want: set[int], got: set[int]) -> None:
+    for c in decided:
+        row = tally.by_cue.setdefault(trace.cues.get(c, ""), dict.fromkeys(("n", "deleted", "tp", "fp", "fn"), 0))
+        row["n"] += 1
+        row["deleted"] += c in got
+        row["tp"] += c in got and c in want
+        row["fp"] += c in got and c not in want
+        row["fn"] += c not in got and c in want
+
+
 def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, tally: Tally,
-           plan: Callable | None = None, max_answer_tokens: int = 16) -> None:
-    """Replay one trace through the main thread, with the manager's deletions (decide) or none (decide=None)."""
+           plan: Callable | None = None, max_answer_tokens: int = 16, session: dict | None = None) -> None:
+    """Replay one trace through the main thread, with the manager's deletions (decide) or none (decide=None).
+    `session`: `Engine.session` arguments of the main thread (default: the plain `full` session; an arm that reads
+    attention scores asks for one that collects them). A trace without an `answer` has no final-answer score."""
     tok = engine.tokenizer
     msgs = trace.messages[:-1]  # the final answer is scored, not replayed
     pieces = message_token_ids(tok, msgs)
@@ -119,40 +140,56 @@ def replay(engine: Engine, trace: Trace, every: int, decide: Callable | None, ta
     for p in pieces:
         starts.append(starts[-1] + len(p))
     cuts = set(boundaries(trace, every))
-    last_use = trace.last_use()
-    s = engine.session("full", chunk=512)
+    s = engine.session(chunk=512, **(session or {"policy": "full"}))
     deleted: set[int] = set()
     reads = 0
-    for i, (msg, ids) in enumerate(zip(msgs, pieces, strict=True)):
+    for i in range(len(msgs) + 1):  # boundary i is decided before message i (i = len(msgs): before the answer)
         if i in cuts and decide is not None:
-            open_c = [c for c in trace.cursors() if c < i and c not in deleted]
-            d: AuxDecision = decide(s, msgs[:i], open_c)
-            want = set(expired(trace, i)) & set(open_c)
-            got = set(d.del_cursors)
-            tally.calls += 1
-            tally.parse_fail += int(d.truncated)
-            tally.tp += len(got & want)
-            tally.fp += len(got - want)
-            tally.fn += len(want - got)
-            tally.deleted += len(got)
-            harmful = [c for c in got if last_use[c] >= i]
-            tally.harmful += len(harmful)
-            for c in harmful:
-                tally.harmful_by_reader[harm_kind(trace, c, i)] += 1
-            if got:
-                s.drop([j for c in sorted(got) for j in range(starts[c], starts[c + 1])])
-                deleted |= got
-            if plan is not None:
-                _score_plan(plan(s, msgs[:i], open_c), trace, i, open_c, tally)
+            deleted |= _boundary(s, trace, msgs, i, starts, deleted, decide, plan, tally)
+        if i == len(msgs):
+            break
+        msg, ids = msgs[i], pieces[i]
         if msg["role"] == "assistant":
             reads += _kv_reads(s.resident, len(ids))
         s.append(ids, kind=msg["role"], logits="last" if i == len(msgs) - 1 else None)
-    ok, nll, final_reads = _final_answer(engine, s, msgs, trace.messages[-1]["content"], trace.answer,
-                                         max_answer_tokens)
-    tally.correct.append(ok)
-    tally.answer_nll.append(nll)
+    final_reads = 0
+    if trace.answer and trace.messages[-1].get("role") == "assistant":
+        ok, nll, final_reads = _final_answer(engine, s, msgs, trace.messages[-1]["content"], trace.answer,
+                                             max_answer_tokens)
+        tally.correct.append(ok)
+        tally.answer_nll.append(nll)
     tally.peak.append(s.peak_resident)
     tally.kv_reads.append(reads + final_reads)
+
+
+def _boundary(s, trace: Trace, msgs: list[dict], i: int, starts: list[int], deleted: set[int], decide: Callable,
+              plan: Callable | None, tally: Tally) -> set[int]:
+    """One aux decision at boundary i, scored against the hindsight labels and applied to the main session as a
+    drop; returns the cursors it deleted."""
+    open_c = [c for c in trace.cursors() if c < i and c not in deleted]
+    d: AuxDecision = decide(s, msgs[:i], open_c)
+    want = set(expired(trace, i)) & set(open_c)
+    got = set(d.del_cursors)
+    unread = set(unread_cursors(msgs[:i]))
+    decided = [c for c in open_c if c not in unread]
+    tally.decisions += len(decided)
+    _count_cues(tally, trace, decided, want, got)
+    tally.calls += 1
+    tally.parse_fail += int(d.truncated)
+    tally.tp += len(got & want)
+    tally.fp += len(got - want)
+    tally.fn += len(want - got)
+    tally.deleted += len(got)
+    last_use = trace.last_use()
+    harmful = [c for c in got if last_use[c] >= i]
+    tally.harmful += len(harmful)
+    for c in harmful:
+        tally.harmful_by_reader[harm_kind(trace, c, i)] += 1
+    if got:
+        s.drop([j for c in sorted(got) for j in range(starts[c], starts[c + 1])])
+    if plan is not None:
+        _score_plan(plan(s, msgs[:i], open_c), trace, i, open_c, tally)
+    return got
 
 
 def _score_plan(text: str | None, trace: Trace, boundary: int, open_c: list[int], tally: Tally) -> None:
@@ -186,6 +223,14 @@ def _ratio(a: int, b: int) -> float:
     return a / b if b else float("nan")
 
 
+def cue_summary(row: dict[str, int]) -> dict:
+    """F1 / harmful rate of the decisions on one cue's cursors (`Tally.by_cue`)."""
+    tp, fp, fn = row["tp"], row["fp"], row["fn"]
+    return {"n_decisions": row["n"], "expired": tp + fn, "deleted": row["deleted"], "harmful": fp,
+            "f1": _ratio(2 * tp, 2 * tp + fp + fn), "harmful_rate": _ratio(fp, tp + fp),
+            "recall": _ratio(tp, tp + fn)}
+
+
 def summarize(t: Tally, ref: Tally) -> dict:
     p, r = _ratio(t.tp, t.tp + t.fp), _ratio(t.tp, t.tp + t.fn)
     f1 = 2 * p * r / (p + r) if p + r > 0 else 0.0
@@ -195,10 +240,13 @@ def summarize(t: Tally, ref: Tally) -> dict:
            "parse_fail_rate": _ratio(t.parse_fail, t.calls),
            "peak_tokens_reduction": 1 - sum(t.peak) / sum(ref.peak),
            "kv_reads_reduction": 1 - sum(t.kv_reads) / sum(ref.kv_reads),
-           "answer_acc": sum(t.correct) / len(t.correct), "answer_acc_delta": (sum(t.correct) - sum(ref.correct))
-           / len(t.correct), "answer_nll": mean(t.answer_nll),
-           "answer_nll_delta": mean(t.answer_nll) - mean(ref.answer_nll), "aux_calls": t.calls,
-           "deleted": t.deleted, "harmful": t.harmful, "harmful_by_reader": dict(t.harmful_by_reader)}
+           "answer_acc": _ratio(sum(t.correct), len(t.correct)),
+           "answer_acc_delta": _ratio(sum(t.correct) - sum(ref.correct), len(t.correct)),
+           "answer_nll": mean(t.answer_nll) if t.answer_nll else float("nan"),
+           "answer_nll_delta": mean(t.answer_nll) - mean(ref.answer_nll) if t.answer_nll else float("nan"),
+           "aux_calls": t.calls, "n_decisions": t.decisions,
+           "deleted": t.deleted, "harmful": t.harmful, "harmful_by_reader": dict(t.harmful_by_reader),
+           "by_cue": {cue: cue_summary(row) for cue, row in sorted(t.by_cue.items())}}
     if t.plan_calls:
         out.update({"plan_edge_recall": _ratio(t.plan_tp, t.plan_tp + t.plan_fn),
                     "plan_edge_precision": _ratio(t.plan_tp, t.plan_tp + t.plan_fp),
@@ -206,16 +254,21 @@ def summarize(t: Tally, ref: Tally) -> dict:
     return out
 
 
-# arm name → (use the adapter, close bias, min confidence): the aux decode an arm replays (min confidence None: the
-# greedy list)
-Arms = dict[str, tuple[bool, float, float | None]]
+# arm name → the arm: a model arm is (use the adapter, close bias, min confidence), the aux decode it replays (min
+# confidence None: the greedy list); a non-model arm (`eval.arms.RuleArm`, `AttentionArm`) has `key`, `session` and
+# `decide(session, messages, open_cursors)`
+Arms = dict[str, object]
 
 
 def arm_key(use_adapter: bool, close_bias: float, min_confidence: float | None = None) -> str:
-    """An arm's name in a journal: what it computes, not what a command calls it (`adapter` in `steward eval
+    """A model arm's name in a journal: what it computes, not what a command calls it (`adapter` in `steward eval
     manager` and `bias 1` in `steward eval calibrate` are the same arm at bias 1)."""
     key = f"{'adapter' if use_adapter else 'base'} at close bias {float(close_bias)!r}"
     return key if min_confidence is None else f"{key}, min confidence {float(min_confidence)!r}"
+
+
+def spec_key(spec) -> str:
+    return arm_key(*spec) if isinstance(spec, tuple) else spec.key
 
 
 def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool = False, max_aux_tokens: int = 48,
@@ -227,7 +280,11 @@ def play_trace(engine: Engine, trace: Trace, every: int, arms: Arms, plan: bool 
     if reference:
         tallies["uncompressed"] = Tally()
         replay(engine, trace, every, None, tallies["uncompressed"])
-    for arm, (use, bias, conf) in arms.items():
+    for arm, spec in arms.items():
+        if not isinstance(spec, tuple):  # a non-model arm: no aux thread, no planner
+            replay(engine, trace, every, spec.decide, tallies[arm], session=spec.session)
+            continue
+        use, bias, conf = spec
 
         def decide(s, msgs, open_c, use=use, bias=bias, conf=conf):
             return run_aux(s, tok, msgs, open_c, max_tokens=max_aux_tokens, use_adapter=use, close_bias=bias,
@@ -251,7 +308,7 @@ def play(engine: Engine, traces: list[Trace], every: int, arms: Arms, plan: bool
     settings (`journal_key` names what else must match, e.g. the model and adapter) plays only what it lacks: a
     killed evaluation resumes where it stopped, and a sweep that adds close biases or confidence thresholds plays
     only the new ones (the reference and the old arms are read back)."""
-    keys = {arm: arm_key(*spec) for arm, spec in arms.items()}
+    keys = {arm: spec_key(spec) for arm, spec in arms.items()}
     settings = {"every": every, "plan": plan, "max_aux_tokens": max_aux_tokens, "keep_unread": keep_unread,
                 "aux_context": engine.aux_context, **(journal_key or {})}
     done = open_journal(journal, settings) if journal else {}
@@ -401,7 +458,8 @@ def append_journal(path: str | Path, task_id: str, digest: str, tallies: dict[st
 
 def reference(ref: Tally) -> dict:
     """The uncompressed replay's totals, as the result reports them."""
-    return {"answer_acc": sum(ref.correct) / len(ref.correct), "answer_nll": mean(ref.answer_nll),
+    return {"answer_acc": _ratio(sum(ref.correct), len(ref.correct)),
+            "answer_nll": mean(ref.answer_nll) if ref.answer_nll else float("nan"),
             "peak_tokens": sum(ref.peak), "kv_reads": sum(ref.kv_reads)}
 
 
@@ -417,17 +475,19 @@ def load_engine(model: str, adapter: str | None = None, aux_context: str | None 
 def evaluate(engine: Engine, traces: list[Trace], every: int = 4, arms: tuple[str, ...] = ("base", "adapter"),
              plan: bool = False, max_aux_tokens: int = 48, progress: Callable[[str], None] | None = None,
              close_bias: float | dict[str, float] = 0.0, keep_unread: bool = True,
-             min_confidence: float | None | dict[str, float | None] = None, **parallel) -> dict:
-    """Base model vs adapter as the memory manager, against the uncompressed replay of the same traces.
+             min_confidence: float | None | dict[str, float | None] = None, rules: Arms | None = None,
+             **parallel) -> dict:
+    """Base model vs adapter as the memory manager (and the non-model arms in `rules`, name → `eval.arms` arm, on the
+    same decisions), against the uncompressed replay of the same traces.
     `close_bias`, `keep_unread`, `min_confidence`: the serving knobs of `AuxConfig` (nats toward closing the deletion
     list; never delete a tool response not read yet; delete only ids listed with this probability, None: the greedy
     list), for both arms; `close_bias` and `min_confidence` may also map each arm to its own.
     `parallel`: `workers`, `engine_factory`, `journal`, `journal_key` of `play`."""
     bias = close_bias if isinstance(close_bias, dict) else dict.fromkeys(arms, close_bias)
     conf = min_confidence if isinstance(min_confidence, dict) else dict.fromkeys(arms, min_confidence)
-    tallies = play(engine, traces, every, {arm: (arm == "adapter", bias[arm], conf[arm]) for arm in arms}, plan,
-                   max_aux_tokens, progress, keep_unread, **parallel)
+    specs: Arms = {arm: (arm == "adapter", bias[arm], conf[arm]) for arm in arms} | (rules or {})
+    tallies = play(engine, traces, every, specs, plan, max_aux_tokens, progress, keep_unread, **parallel)
     ref = tallies["uncompressed"]
-    return {**{arm: summarize(tallies[arm], ref) for arm in arms}, "uncompressed": reference(ref),
+    return {**{arm: summarize(tallies[arm], ref) for arm in specs}, "uncompressed": reference(ref),
             "n_traces": len(traces), "every": every, "close_bias": close_bias, "min_confidence": min_confidence,
             "keep_unread": keep_unread, "aux_context": engine.aux_context}

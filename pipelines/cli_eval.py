@@ -154,8 +154,9 @@ def _numeric_metrics(groups: dict[str, dict]) -> dict[str, float]:
             if isinstance(v, (int, float)) and v == v}
 
 
-def _traces(data: Path, traces: Path | None, split: str, limit: int) -> list:
-    """At most `limit` traces of `split`: from `traces`, or the folder the dataset card at `data` names."""
+def _traces(data: Path, traces: Path | None, split: str, limit: int, envs: str = "") -> list:
+    """At most `limit` traces of `split` (`all`: every split) and of the environments `envs` (comma-separated; empty:
+    all): from `traces`, or the folder the dataset card at `data` names."""
     from kvsteward.synth.dataset import CARD_JSON
     from kvsteward.synth.trace import read_traces
 
@@ -163,9 +164,10 @@ def _traces(data: Path, traces: Path | None, split: str, limit: int) -> list:
     src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
     if src is None:
         raise typer.BadParameter(f"{data} has no {CARD_JSON} naming its traces: pass --traces")
-    trs = [t for t in read_traces(src) if t.split == split][:limit]
+    want = {e.strip() for e in envs.split(",") if e.strip()}
+    trs = [t for t in read_traces(src) if split in ("all", t.split) and (not want or t.env in want)][:limit]
     if not trs:
-        raise typer.BadParameter(f"no {split!r} traces in {src}")
+        raise typer.BadParameter(f"no {split!r} traces{f' of {sorted(want)}' if want else ''} in {src}")
     return trs
 
 
@@ -188,17 +190,97 @@ def _parallel(model: str, adapter: Path | None, engine, workers: int, journal: P
             "journal_key": {"model": model, "adapter": str(Path(adapter_dir).resolve()) if adapter_dir else None}}
 
 
+def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str, fit_envs: list[str]) -> dict:
+    """The fitted cheap baselines as arms: from `baselines` (or DATA/baselines, written by `steward synth audit` on
+    the whole train split), else — and whenever `fit_envs` names only some environments — fitted now on the train
+    split's decisions of those environments (the adapter's, so a held-out environment stays unseen by every arm)."""
+    from kvsteward.eval.arms import RuleArm
+    from kvsteward.synth.audit import AuditError, load_dataset
+    from kvsteward.synth.baselines import fit_all, load_baselines
+    from kvsteward.synth.decisions import DecisionError, decisions_from_split
+
+    if not names:
+        return {}
+    fitted, missing = {}, list(names)
+    if baselines is not None or not fit_envs:
+        try:
+            fitted = load_baselines(baselines or data / "baselines")
+            missing = [n for n in names if n not in fitted]
+        except FileNotFoundError:
+            if baselines is not None:
+                raise typer.BadParameter(f"--baselines {baselines}: no fitted baselines there") from None
+    if missing:
+        where = f"the {', '.join(fit_envs)} rows of " if fit_envs else ""
+        with console.status(f"fitting {', '.join(missing)} on {where}the train split of {data} ..."):
+            try:
+                train = [d for d in decisions_from_split(load_dataset(data)["train"])
+                         if not fit_envs or d.env in fit_envs]
+                fitted |= fit_all(train, missing)
+            except (AuditError, DecisionError, ValueError) as e:
+                raise typer.BadParameter(f"cannot fit the baselines on {data}: {e}") from e
+    return {n: RuleArm(n, fitted[n], point) for n in names}
+
+
+def _attention_arm(engine, data: Path, traces: Path | None, every: int, fit_traces: int, threshold: float | None,
+                   point: str, envs: str):
+    """The attention-mass arm, its threshold given or chosen on validation replays (`eval.arms`)."""
+    from kvsteward.eval.arms import AttentionArm, fit_attention_threshold
+
+    if threshold is not None:
+        return AttentionArm(threshold), {"threshold": threshold, "given": True}
+    fit = fit_attention_threshold(engine, _traces(data, traces, "validation", fit_traces, envs), every, point,
+                                  progress=console.log)
+    return AttentionArm(fit["threshold"]), fit
+
+
+def _arm_table(result: dict, arms: list[str]) -> None:
+    from rich.table import Table
+
+    cols = {"f1": "F1", "precision": "prec", "recall": "recall", "harmful_rate": "harmful", "n_decisions": "decisions",
+            "deleted": "deleted", "peak_tokens_reduction": "peak ↓", "kv_reads_reduction": "reads ↓",
+            "answer_acc": "answers"}
+    t = Table(title=f"memory managers on the same decisions ({result['n_traces']} traces)",
+              caption="harmful: deletions a later step reads / deletions; peak ↓ / reads ↓: saved against the "
+                      "replay without deletions")
+    t.add_column("arm")
+    for header in cols.values():
+        t.add_column(header, justify="right")
+    for arm in arms:
+        row = result[arm]
+        t.add_row(arm, *(f"{row[c]:.0f}" if c in ("n_decisions", "deleted") else
+                         "-" if row.get(c) is None or row[c] != row[c] else f"{row[c]:.3f}" for c in cols))
+    console.print(t)
+
+
 @app.command()
 def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
-            adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: base model only)"),
-            data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces)"),
-            traces: Path | None = typer.Option(None, help="traces folder (default: the dataset card's source)"),
-            split: str = typer.Option("test"), every: int = typer.Option(4, help="aux thread every K tool turns"),
+            adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: no adapter arm)"),
+            data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces; "
+                                                "its train split fits the cheap baselines)"),
+            traces: Path | None = typer.Option(None, help="traces folder to evaluate on (default: the dataset card's "
+                                                          "source), e.g. one made by `steward synth import`"),
+            split: str = typer.Option("test", help="train | validation | test | all"),
+            env: str = typer.Option("", "--env", help="only traces of these environments (comma-separated): a "
+                                                      "held-out environment"),
+            every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
+            arms: str = typer.Option(",".join(("base", "delete_all_read", "keep_last_k", "text_classifier",
+                                                "lexical_overlap", "attention_mass", "adapter")),
+                                     help="comma-separated arms (adapter only with --adapter)"),
+            point: str = typer.Option("f1", help="the cheap baselines' operating point: f1 (best train F1) or safe "
+                                                 "(best F1 with <= 2 % harmful on train)"),
+            baselines: Path | None = typer.Option(None, help="fitted baselines folder (default: DATA/baselines from "
+                                                             "`steward synth audit`; fitted on DATA's train split "
+                                                             "when absent)"),
+            attention_fit: int = typer.Option(10, help="validation traces whose replays choose the attention-mass "
+                                                       "threshold"),
+            attention_threshold: float | None = typer.Option(None, help="attention-mass threshold (skips the fit)"),
+            fit_envs: str | None = typer.Option(None, help="environments whose train / validation traces fit the "
+                                                           "baselines and the attention threshold (default: those "
+                                                           "the adapter was trained on, all without one)"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
             base: bool = typer.Option(True, "--base/--no-base", help="also run the base model as the manager "
-                                                                     "(--no-base: the adapter arm only, for half the "
-                                                                     "time when its base numbers are known)"),
+                                                                     "(--no-base: drop the base arm)"),
             close_bias: float | None = typer.Option(None, help="nats added to closing the deletion list (serving's "
                                                               "--aux-close-bias): > 0 deletes less, fewer harmful "
                                                               "deletions; default: the adapter's calibrated bias "
@@ -211,41 +293,73 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             delete_unread: bool = typer.Option(False, "--delete-unread",
                                                help="let the manager delete tool responses not read yet (serving's "
                                                     "--aux-delete-unread; default: never)"),
-            aux_context: str | None = typer.Option(None, help="what the aux trigger follows: full (the session) or "
-                                                        "first (its first message only); default: as the adapter "
-                                                        "was trained (its kvsteward.json), full without one"),
+            aux_context: str | None = typer.Option(None, help="what the aux trigger follows: full (the session, the "
+                                                        "default) or first (its first message only: an ablation); "
+                                                        "default: as the adapter was trained (its kvsteward.json)"),
             workers: int = typer.Option(1, help="play traces in this many processes (each loads the model; "
                                                 "results as with 1)"),
             journal: Path | None = typer.Option(None, help="JSONL file of finished traces: rerun with the same "
                                                            "command to resume after a crash"),
             mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the metrics to MLflow"),
             as_json: bool = typer.Option(False, "--json")) -> None:
-    """Deletion P/R/F1, harmful deletions, parse failures, peak tokens / KV reads / answer accuracy vs uncompressed,
-    for the base model and the adapter as memory manager, on held-out traces."""
+    """The learned manager against the base model and the strongest cheap baselines (delete-all-read, keep-last-K,
+    a bag-of-words classifier, lexical overlap, attention mass), every arm on the same replays and decisions:
+    deletion P/R/F1, harmful deletions (95 % CI), peak tokens / KV reads / answer accuracy vs uncompressed, per arm
+    and per cue."""
+    from kvsteward.eval.arms import ARM_NAMES, RULES
     from kvsteward.eval.manager import JournalError, evaluate, load_engine
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
     conf_given = _min_confidence(min_confidence, "--min-confidence")
-    if not base and adapter is None:
-        raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR")
+    wanted = [a.strip() for a in arms.split(",") if a.strip()]
+    if unknown := [a for a in wanted if a not in ARM_NAMES]:
+        raise typer.BadParameter(f"--arms: unknown {unknown}; known: {', '.join(ARM_NAMES)}")
+    if not base:
+        wanted = [a for a in wanted if a != "base"]
+    if adapter is None:
+        wanted = [a for a in wanted if a != "adapter"]
+    if not wanted:
+        raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR" if not base else
+                                 "--arms leaves no arm to evaluate")
+    if point not in ("f1", "safe"):
+        raise typer.BadParameter(f"--point must be f1 or safe, got {point!r}")
+    if split not in ("train", "validation", "test", "all"):
+        raise typer.BadParameter(f"--split must be train, validation, test or all, got {split!r}")
     _check_aux_context(aux_context)
     _check_parallel(workers, journal)
-    trs = _traces(data, traces, split, limit)
+    trs = _traces(data, traces, split, limit, env)
+    if fit_envs is None:
+        from kvsteward.models import adapter_meta
+
+        fit_list = list(adapter_meta(adapter).get("train_envs") or []) if adapter else []
+    else:
+        fit_list = [e.strip() for e in fit_envs.split(",") if e.strip()]
+    rules = _rule_arms([a for a in wanted if a in RULES], data, baselines, point, fit_list)
     with console.status(f"loading {model} ..."):
         engine = load_engine(model, str(adapter) if adapter else None, aux_context)
-    arms = (("base",) if base else ()) + (("adapter",) if adapter else ())
+    attention_fit_record = None
+    if "attention_mass" in wanted:  # chosen on the dataset's own validation traces of the fit environments
+        rules["attention_mass"], attention_fit_record = _attention_arm(
+            engine, data, None, every, attention_fit, attention_threshold, point, ",".join(fit_list))
+    model_arms = tuple(a for a in wanted if a in ("base", "adapter"))
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
-            for arm in arms}
+            for arm in model_arms}
     conf = {arm: conf_given if min_confidence is not None else engine.min_confidence if arm == "adapter" else None
-            for arm in arms}
+            for arm in model_arms}
     try:
-        result = evaluate(engine, trs, every=every, arms=arms, plan=plan, progress=console.log, close_bias=bias,
-                          keep_unread=not delete_unread, min_confidence=conf,
+        result = evaluate(engine, trs, every=every, arms=model_arms, plan=plan, progress=console.log,
+                          close_bias=bias, keep_unread=not delete_unread, min_confidence=conf,
+                          rules={a: rules[a] for a in wanted if a in rules},
                           **_parallel(model, adapter, engine, workers, journal))
     except JournalError as e:
         raise typer.BadParameter(str(e)) from e
+    result = {a: result[a] for a in wanted} | {k: v for k, v in result.items() if k not in wanted}
+    result.update({"arms": wanted, "split": split, "envs": sorted({t.env for t in trs}),
+                   "traces_source": str(traces) if traces else "dataset", "point": point, "fit_envs": fit_list,
+                   "attention_fit": attention_fit_record,
+                   "baseline_settings": {a: rules[a].baseline.points[point] for a in wanted if a in RULES}})
     if mlflow_log:
         import mlflow
 
@@ -253,14 +367,18 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
-                               "every": every, "traces": len(trs),
-                               **{f"{arm}.close_bias": bias[arm] for arm in arms},
-                               **{f"{arm}.min_confidence": conf[arm] for arm in arms if conf[arm] is not None},
+                               "env": env, "traces_source": result["traces_source"], "arms": ",".join(wanted),
+                               "every": every, "traces": len(trs), "point": point,
+                               **{f"{arm}.close_bias": bias[arm] for arm in model_arms},
+                               **{f"{arm}.min_confidence": conf[arm] for arm in model_arms if conf[arm] is not None},
                                "keep_unread": not delete_unread, "aux_context": engine.aux_context})
-            mlflow.log_metrics(_numeric_metrics({arm: result[arm] for arm in arms}))
+            mlflow.log_metrics(_numeric_metrics({arm: result[arm] for arm in wanted}))
             mlflow.log_dict(result, "manager_eval.json")
         result["mlflow_run_id"] = run.info.run_id
-    print(json.dumps(result)) if as_json else console.print_json(json.dumps(result))
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _arm_table(result, wanted)
 
 
 @app.command()
@@ -270,6 +388,8 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
               traces: Path | None = typer.Option(None, help="traces folder (default: the dataset card's source)"),
               split: str = typer.Option("validation", help="the held-out split to choose on (not the test split "
                                                            "you report)"),
+              env: str = typer.Option("", "--env", help="only traces of these environments (comma-separated): the "
+                                                        "adapter's training environments"),
               every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
               limit: int = typer.Option(40, help="at most this many traces"),
               biases: str = typer.Option("0,1", help="comma-separated close biases to try (nats)"),
@@ -319,7 +439,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
         raise typer.BadParameter(f"--max-harm and --min-f1 are rates in [0, 1], got {max_harm} and {min_f1}")
     _check_aux_context(aux_context)
     _check_parallel(workers, journal)
-    trs = _traces(data, traces, split, limit)
+    trs = _traces(data, traces, split, limit, env)
     if split == "test":
         console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice, "
                       "not the manager (use --split validation)")

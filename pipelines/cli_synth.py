@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -27,52 +28,91 @@ def _fail(msg: str) -> None:
 
 @synth_app.command()
 def traces(
-    tasks: int = typer.Option(50, help="number of tasks (one correct trace each)"),
+    tasks: int = typer.Option(50, help="number of tasks per environment (one correct trace each)"),
     seed: int = typer.Option(0, help="world and task seed (same seed → identical traces)"),
     out: Path = typer.Option(..., help="output folder (traces.jsonl + meta.json)"),
-    min_hops: int = typer.Option(2, help="fewest documents a task needs"),
-    max_hops: int = typer.Option(6, help="most documents a task needs"),
-    page_words: int = typer.Option(160, help="words per page of an opened document"),
-    doc_words: int = typer.Option(240, help="typical document length in words (longer → more pages, tokens)"),
-    detour_rate: float = typer.Option(0.35, help="chance of an exploratory detour per hop"),
-    compare_rate: float = typer.Option(0.3, help="share of two-branch comparison tasks (even hop counts)"),
-    recap_rate: float = typer.Option(0.5, help="share of final answers that restate every fact found"),
-    world_size: int = typer.Option(2000, help="documents per split world"),
-    top_k: int = typer.Option(5, help="search results per query"),
-    source: str = typer.Option("research", help="research (multi-hop tool use) | longsession (benchmark sessions)"),
+    env: str = typer.Option("research", "--env", "--source",
+                            help="comma-separated environments: research, ops, support (agent traces), templated (the "
+                                 "original research generator), or longsession (benchmark sessions, alone)"),
+    min_hops: int | None = typer.Option(None, help="templated: fewest documents a task needs"),
+    max_hops: int | None = typer.Option(None, help="templated: most documents a task needs"),
+    page_words: int | None = typer.Option(None, help="templated: words per page of an opened document"),
+    doc_words: int | None = typer.Option(None, help="templated: typical document length in words"),
+    detour_rate: float | None = typer.Option(None, help="chance of an exploratory detour per hop"),
+    compare_rate: float | None = typer.Option(None, help="share of two-branch comparison tasks"),
+    recap_rate: float | None = typer.Option(None, help="share of final answers that restate the facts found"),
+    world_size: int | None = typer.Option(None, help="templated: documents per split world"),
+    top_k: int | None = typer.Option(None, help="search results per query"),
+    option: list[str] = typer.Option([], "--option", "-o", help="an environment option KEY=VALUE (repeatable; see "
+                                     "docs/synth.md for each environment's options)"),
     length: int = typer.Option(16384, help="longsession: session context length in tokens (measured with --model)"),
     distances: str = typer.Option("", help="longsession: comma-separated distances per seed (default length/4)"),
     chunk_tokens: int = typer.Option(2000, help="longsession: tokens per stdlib filler chunk (= per cursor)"),
     model: str = typer.Option("smollm2", help="longsession: tokenizer that measures the session length"),
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
-    """Generate correct traces with exact provenance: multi-hop research (one world per split) or long sessions."""
-    from kvsteward.synth.generate import generate_traces, generation_meta
-    from kvsteward.synth.solver import TraceConfig
+    """Generate correct traces with exact provenance: agent environments (one or several) or long sessions."""
     from kvsteward.synth.trace import write_traces
 
     t0 = time.perf_counter()
-    if source == "longsession":
+    if env == "longsession":
         result, meta = _longsession_traces(tasks, seed, length, distances, chunk_tokens, model)
-    elif source == "research":
-        cfg = TraceConfig(min_hops=min_hops, max_hops=max_hops, page_words=page_words, doc_words=doc_words,
-                          detour_rate=detour_rate, top_k=top_k, compare_rate=compare_rate, recap_rate=recap_rate,
-                          world_size=world_size)
-        try:
-            with _progress() as p:
-                job = p.add_task("solving tasks", total=tasks)
-                result = generate_traces(tasks, seed, cfg, progress=lambda n: p.update(job, completed=n))
-        except ValueError as e:
-            _fail(str(e))
-        meta = generation_meta(tasks, seed, cfg)
     else:
-        _fail(f"unknown --source {source!r}: use research or longsession")
+        given = {"min_hops": min_hops, "max_hops": max_hops, "page_words": page_words, "doc_words": doc_words,
+                 "detour_rate": detour_rate, "top_k": top_k, "compare_rate": compare_rate,
+                 "recap_rate": recap_rate, "world_size": world_size}
+        shared = {k: v for k, v in given.items() if v is not None}  # unset: each environment's own default
+        result, meta = _env_traces(env, tasks, seed, shared, option)
     path = write_traces(out, result, meta)
     summary = {"traces": len(result), "path": str(path), "wall_s": round(time.perf_counter() - t0, 2),
                "splits": {s: sum(t.split == s for t in result) for s in ("train", "validation", "test")},
+               "envs": {e: sum(t.env == e for t in result) for e in dict.fromkeys(t.env for t in result)},
                "mean_messages": sum(len(t.messages) for t in result) / len(result),
                "mean_cursors": sum(len(t.cursors()) for t in result) / len(result)}
     print(json.dumps(summary) if as_json else f"wrote {len(result)} traces to {path}")
+
+
+def _env_options(pairs: list[str]) -> dict[str, object]:
+    """`--option KEY=VALUE` pairs, values parsed as JSON when they are (numbers, booleans), else kept as text."""
+    out: dict[str, object] = {}
+    for p in pairs:
+        key, sep, value = p.partition("=")
+        if not sep or not key.strip():
+            _fail(f"--option {p!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def _env_traces(env: str, tasks: int, seed: int, shared: dict, pairs: list[str]):
+    """(traces, meta) of one or several agent environments (`synth.envs`), `tasks` each."""
+    from dataclasses import fields
+
+    from kvsteward.synth import envs as envm
+
+    try:
+        names = envm.env_names(env)
+    except ValueError as e:
+        _fail(str(e))
+    explicit = _env_options(pairs)
+    for key in [*explicit, *shared]:
+        if not any(key in {f.name for f in fields(envm.options_type(n))} for n in names):
+            flag = f"--option {key}" if key in explicit else "--" + key.replace("_", "-")
+            _fail(f"{flag}: no environment among {', '.join(names)} has that option")
+    result, metas = [], []
+    try:
+        with _progress() as p:
+            for name in names:
+                opts = envm.make_options(name, {**shared, **explicit})
+                job = p.add_task(f"{name}: solving tasks", total=tasks)
+                result += envm.generate(name, tasks, seed, opts, progress=lambda n, j=job: p.update(j, completed=n))
+                metas.append(envm.generation_meta(name, tasks, seed, opts))
+    except (ValueError, TypeError) as e:
+        _fail(str(e))
+    meta = metas[0] if len(metas) == 1 else {"envs": metas, "tasks": tasks, "seed": seed, "label_source": "oracle"}
+    return result, meta
 
 
 def _longsession_traces(tasks: int, seed: int, length: int, distances: str, chunk_tokens: int, model: str):
@@ -109,6 +149,8 @@ def hindsight(
                                           "engine's positions and deletion history) instead of main/delete/plan rows"),
     trigger: str = typer.Option("ids", help="deletion trigger layout: ids (phrase + open cursor ids) or notes (+ the "
                                 "task and each cursor's reader note; see docs/synth.md)"),
+    audit: bool = typer.Option(True, "--audit/--no-audit", help="run the shortcut audit at the end (`steward synth "
+                               "audit`) when the train and validation splits have deletion decisions"),
     as_json: bool = typer.Option(False, "--json", help="print the card statistics as JSON"),
 ) -> None:
     """Hindsight-annotate traces into a pre-tokenized DatasetDict (main / delete / plan rows, or packed rows) with
@@ -137,10 +179,77 @@ def hindsight(
             logged = dsm.log_to_mlflow(dd, name=out.name)
     else:
         logged = dsm.log_to_mlflow(dd, name=out.name)
+    if audit and not pack:
+        c = _audit_after_hindsight(dd, out) or c
     if as_json:
         print(json.dumps({**c, "mlflow_logged": logged}))
     else:
         print(f"wrote {sum(len(dd[s]) for s in dd)} rows to {out}" + (" (logged to MLflow)" if logged else ""))
+        if "audit" in c:
+            _print_audit(c["audit"], brief=True)
+
+
+def _audit_after_hindsight(dd, out: Path) -> dict | None:
+    """The card with the audit recorded (`steward synth hindsight --audit`), or None when a split has no decision."""
+    from kvsteward.synth import audit as am
+
+    train, val = am.split_decisions(dd)
+    if not train or not val:
+        console.print("audit skipped: the train or validation split has no deletion decision")
+        return None
+    result, fitted = am.audit_decisions(train, val)
+    return am.write_audit(out, result, fitted)
+
+
+def _print_audit(result: dict, brief: bool = False) -> None:
+    """The audit as rich tables on stdout (`brief`: the overall table and the flags only)."""
+    from rich.table import Table
+
+    from kvsteward.synth import audit as am
+
+    out = Console(width=None if sys.stdout.isatty() else 150)  # a pipe gets 80 columns: too narrow for the table
+    table = Table(title=f"shortcut audit: {result['n_decisions']} validation decisions "
+                        f"({result['positive_rate']:.1%} expired), oracle F1 {result['oracle_f1']:.1f}")
+    for h in am.HEADER:
+        table.add_column(h, justify="left" if h in ("baseline", "setting (train)") else "right")
+    flagged = {f["baseline"] for f in result["flags"] if f["env"] is None}
+    for row in am.table_rows(result["baselines"]):
+        table.add_row(*row, style="bold red" if row[0] in flagged else None)
+    out.print(table)
+    for title, key, measure in am.GROUPS:
+        if brief or not am.shown(result, key):
+            continue
+        header, rows = am.group_table(result, key, measure)
+        t = Table(title=f"{'F1' if measure == 'f1' else measure} by {title}")
+        for h in header:
+            t.add_column(h, justify="left" if h == header[0] else "right")
+        for row in rows:
+            t.add_row(*row)
+        out.print(t)
+    for f in result["flags"]:
+        where = f" on {f['env']}" if f["env"] else ""
+        out.print(f"[red]flag:[/red] {f['baseline']}{where} reaches validation F1 {f['f1']:.3f}: {f['message']}")
+
+
+@synth_app.command()
+def audit(
+    ds: Path = typer.Argument(..., help="dataset folder from `steward synth hindsight` (per-boundary rows)"),
+    write: bool = typer.Option(True, "--write/--no-write", help="record the result in DS/card.json and DS/README.md "
+                               "and save the fitted baselines under DS/baselines/"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Shortcut audit: fit cheap non-model baselines on train, score them on validation, flag any that recovers the
+    labels (validation F1 >= 0.95)."""
+    from kvsteward.synth import audit as am
+
+    try:
+        result = am.run_audit(ds, write=write)
+    except am.AuditError as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print_audit(result)
 
 
 @synth_app.command()
@@ -190,7 +299,8 @@ def _make_planner(planner: str, model: str, endpoint: str | None, endpoint_model
 def import_(
     file: Path = typer.Argument(..., help="OpenAI-style JSONL: one session per line ({'messages': [...]} or a list)"),
     out: Path = typer.Option(..., help="output traces folder (same format as `steward synth traces`)"),
-    planner: str = typer.Option("llm", help="who labels the dependencies: llm | lexical | next-step"),
+    planner: str = typer.Option("llm", help="who labels the dependencies: provenance (the file's own `reads`, exact) "
+                                "| llm | lexical | next-step"),
     model: str = typer.Option("smollm2", help="local model for --planner llm (or the endpoint's model name)"),
     endpoint: str = typer.Option(None, help="OpenAI-compatible base URL for the llm planner instead of a local model"),
     endpoint_model: str = typer.Option(None, help="model name to request from --endpoint (default: --model)"),
@@ -199,14 +309,22 @@ def import_(
     max_cursors: int = typer.Option(6, help="llm planner sees at most this many most recent cursors per step"),
     cursor_chars: int = typer.Option(120, help="characters of each cursor shown to the llm planner"),
 ) -> None:
-    """Import user traces and label their dependencies with a planner (label source recorded per trace)."""
-    from kvsteward.synth.importer import label_traces, read_openai_jsonl
+    """Import user traces; their labels come from the file's provenance (`--planner provenance`) or a planner (label
+    source recorded per trace)."""
+    from kvsteward.synth.importer import label_traces, provenance_traces, read_openai_jsonl
     from kvsteward.synth.trace import write_traces
 
     try:
         raw = read_openai_jsonl(file)
+        if planner == "provenance":
+            labelled = provenance_traces(raw, str(file))
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
+    if planner == "provenance":
+        path = write_traces(out, labelled, {"imported_from": str(file.resolve()), "planner": "provenance",
+                                            "label_source": "provenance"})
+        print(f"imported {len(labelled)} traces to {path} (labels: the file's provenance)")
+        return
     name, _, fn = _make_planner(planner, model, endpoint, endpoint_model, max_new_tokens, max_cursors, cursor_chars)
     with _progress() as p:
         job = p.add_task(f"labelling with {name}", total=len(raw))
@@ -221,6 +339,10 @@ def import_(
 def export(
     traces_dir: Path = typer.Argument(..., help="traces folder"),
     out: Path = typer.Option(..., help="OpenAI-style JSONL to write (tool_calls + tool responses)"),
+    provenance: bool = typer.Option(False, "--provenance", help="also write each session's exact labels (`reads`, "
+                                    "env, question, answer, cues): `steward synth import --planner provenance`"),
+    split: str = typer.Option("all", help="only the traces of this split (train | validation | test | all)"),
+    env: str = typer.Option("", "--env", help="only the traces of these environments (comma-separated)"),
 ) -> None:
     """Write traces as OpenAI-style message JSONL (the format `steward synth import` reads)."""
     from kvsteward.synth.importer import write_openai_jsonl
@@ -230,7 +352,11 @@ def export(
         trs = read_traces(traces_dir)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    print(f"wrote {len(trs)} sessions to {write_openai_jsonl(trs, out)}")
+    want = {e.strip() for e in env.split(",") if e.strip()}
+    trs = [t for t in trs if split in ("all", t.split) and (not want or t.env in want)]
+    if not trs:
+        _fail(f"no traces of split {split!r}{f' and env {sorted(want)}' if want else ''} in {traces_dir}")
+    print(f"wrote {len(trs)} sessions to {write_openai_jsonl(trs, out, provenance)}")
 
 
 @plan_app.command()

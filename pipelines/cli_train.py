@@ -61,6 +61,8 @@ def lora(
                                    "--best-metric) instead of the last state (needs --eval-rows)"),
     best_metric: str = typer.Option("loss", help="what --keep-best chooses by: loss (the lowest validation CE) or f1 "
                                     "(the highest decision F1 of the served decoder on the validation rows)"),
+    envs: str = typer.Option("", help="train only on the rows of these environments (comma-separated; default all): "
+                             "leave one out to evaluate on it as a held-out environment"),
     track: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow and register the adapter"),
     as_json: bool = typer.Option(False, "--json", help="print only the result JSON on stdout"),
 ) -> None:
@@ -75,7 +77,7 @@ def lora(
                         bf16=bf16, base_dtype=base_dtype, max_minutes=max_minutes, top_layers=top_layers, mlflow=track,
                         hard_weight=hard_weight, skip_trivial=skip_trivial, adapter_scope=adapter_scope,
                         aux_context=aux_context, eval_rows=eval_rows, eval_steps=eval_steps, keep_best=keep_best,
-                        best_metric=best_metric)
+                        best_metric=best_metric, envs=envs)
     try:
         cfg.check()
     except ValueError as e:

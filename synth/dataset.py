@@ -9,6 +9,8 @@ Rows (one schema for all kinds):
   them); still too long → skipped and counted in the card (their targets would refer to cut cursors).
 - `packed` (`pack=True`, instead of the three above): the whole trace with every call at every boundary in one
   sequence and one consistent deletion history (`synth.packed`); longer than `max_tokens` → skipped.
+Every row also names its trace's environment (`env`) and per-cursor cues (`cues`, JSON): `synth.decisions` reads
+them so the shortcut audit (`synth.audit`) reports per environment and per cue.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def features():
         "label_source": Value("string"), "n_tokens": Value("int32"), "truncated": Value("bool"),
         # aux rows: where the serving fork starts (the trigger message's first token); 0 on main and packed rows
         "fork_at": Value("int32"),
+        # the trace's environment ("" when unknown) and its per-cursor cues as JSON ({"7": "recap_fact"}; "{}" when
+        # none): what `synth.decisions` reads to report the shortcut audit per environment and per cue
+        "env": Value("string"), "cues": Value("string"),
         # packed rows only (empty elsewhere): see synth/packed.py
         **{k: Sequence(Value("int32")) for k in PACKED_COLUMNS},
     })
@@ -76,6 +81,7 @@ def _row(trace: Trace, kind: str, step: int, ids: list[int], labels: list[int], 
            "input_ids": ids, "labels": labels, "messages": json.dumps(messages, ensure_ascii=False),
            "open_cursors": [], "masked_cursors": [], "target": "", "blueprint": "",
            "label_source": trace.label_source, "n_tokens": len(ids), "truncated": False, "fork_at": 0,
+           "env": trace.env, "cues": json.dumps({str(k): v for k, v in sorted(trace.cues.items())}),
            **{k: [] for k in PACKED_COLUMNS}}
     row.update(extra)
     return row
@@ -187,6 +193,7 @@ def card(traces: list[Trace], dd, skipped: dict[str, int], cfg: HindsightConfig,
         "label_balance": {"open_cursors_marked_delete": pos / max(pos + neg, 1), "delete_rows": n_del,
                           "empty_delete_targets": empty / max(n_del, 1)},
         "label_sources": dict(Counter(t.label_source for t in traces)),
+        "envs": dict(Counter(t.env for t in traces)),
     }
 
 
@@ -230,6 +237,10 @@ def card_markdown(c: dict[str, Any]) -> str:
               f"Label balance: {lb['open_cursors_marked_delete']:.1%} of open cursors in delete rows are targets; "
               f"{lb['empty_delete_targets']:.1%} of delete targets are empty.", "",
               "Config: `" + json.dumps(c["config"]) + "`", ""]
+    if c.get("audit"):  # `steward synth audit` (also run by `steward synth hindsight`): kept on every rewrite
+        from kvsteward.synth.audit import audit_markdown
+
+        lines += [audit_markdown(c["audit"]), ""]
     return "\n".join(lines)
 
 

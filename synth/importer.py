@@ -6,8 +6,12 @@ follow the OpenAI chat format: roles system / developer / user / assistant / too
 `tool_call_id`; `content` as a string, null, or a list of `{"type": "text", "text": ...}` parts.
 
 Output: the same trace format the generator writes (tool calls rendered into the assistant content, each tool
-response tagged `[cursor N]` with its message index). Imported traces have no oracle: `reads` come from a planner
-(`label_traces`), and `label_source` records which.
+response tagged `[cursor N]` with its message index). Labels come from the file's own provenance when a line carries
+it — an optional `"reads"` object, `{"<step>": [<message index of a tool response it uses>, ...]}`, with indices into
+that line's `messages` (the conversion keeps every message at its index), and optionally `"env"`, `"answer"` and
+`"cues"` (`{"<tool message index>": "<cue>"}`) — `label_source` "provenance" (`provenance_traces`); otherwise from a
+planner (`label_traces`), and `label_source` records which. `write_openai_jsonl(..., provenance=True)` writes those
+fields, so a generator of any origin can hand its exact labels over in this format.
 """
 
 from __future__ import annotations
@@ -98,9 +102,47 @@ def read_openai_jsonl(path: str | Path) -> list[Trace]:
             tid = str(rec.get("id", f"{path.stem}-{n:05d}")) if isinstance(rec, dict) else f"{path.stem}-{n:05d}"
             messages = openai_to_messages(msgs, f"{path}:{n}")
             seed = mix("import", tid)
+            extra = rec if isinstance(rec, dict) else {}
             traces.append(Trace(task_id=tid, split=split_of(seed), messages=messages, reads={},
                                 label_source="unlabeled", task_seed=seed,
-                                question=next((m["content"] for m in messages if m["role"] == "user"), "")))
+                                question=str(extra.get("question") or next(
+                                    (m["content"] for m in messages if m["role"] == "user"), "")),
+                                answer=str(extra.get("answer") or ""), env=str(extra.get("env") or ""),
+                                cues=_int_keys(extra.get("cues"), f"{path}:{n} cues", str)))
+            if "reads" in extra:
+                traces[-1].reads = _int_keys(extra["reads"], f"{path}:{n} reads", _cursor_list)
+                traces[-1].label_source = "provenance"
+    return traces
+
+
+def _cursor_list(v) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        raise ValueError(f"expected a list of message indices, got {v!r}")
+    return sorted(set(v))
+
+
+def _int_keys(obj, where: str, value) -> dict:
+    """`{"<int>": v}` → `{int: value(v)}`, refusing anything else by name (None: empty)."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object keyed by message index, got {type(obj).__name__}")
+    try:
+        return {int(k): value(v) for k, v in obj.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def provenance_traces(traces: list[Trace], where: str = "file") -> list[Trace]:
+    """The traces whose lines carried `reads` (label_source "provenance"), validated: a step must read earlier tool
+    messages. Refuses a file where some line has no provenance (mixing labelled and unlabelled sessions would
+    silently score the unlabelled ones as "nothing is ever read again")."""
+    missing = [t.task_id for t in traces if t.label_source != "provenance"]
+    if missing:
+        raise ValueError(f"{where}: {len(missing)} session(s) without a \"reads\" field (e.g. {missing[0]}): "
+                         "use a planner (--planner llm | lexical | next-step) or add their provenance")
+    for t in traces:
+        t.validate()
     return traces
 
 
@@ -142,10 +184,17 @@ def trace_to_openai(trace: Trace) -> list[dict[str, Any]]:
     return out
 
 
-def write_openai_jsonl(traces: list[Trace], path: str | Path) -> Path:
+def write_openai_jsonl(traces: list[Trace], path: str | Path, provenance: bool = False) -> Path:
+    """One session per line; with `provenance`, also each trace's `reads`, `env`, `question`, `answer` and `cues`
+    (what `read_openai_jsonl` turns back into exact labels)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for t in traces:
-            f.write(json.dumps({"id": t.task_id, "messages": trace_to_openai(t)}, ensure_ascii=False) + "\n")
+            rec: dict[str, Any] = {"id": t.task_id, "messages": trace_to_openai(t)}
+            if provenance:
+                rec |= {"reads": {str(k): v for k, v in sorted(t.reads.items())}, "env": t.env,
+                        "question": t.question, "answer": t.answer,
+                        "cues": {str(k): v for k, v in sorted(t.cues.items())}}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return path

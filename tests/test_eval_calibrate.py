@@ -133,12 +133,12 @@ def test_calibrate_cli_records_the_choice_and_eval_and_serve_use_it(tiny_folder,
     meta = json.loads((adapter_dir / ADAPTER_META).read_text())
     assert meta["close_bias"] == -1e4 and meta["trigger"] == "notes" and meta["calibration"]["traces"] == 1
 
-    res = _cli(["eval", "manager", *common])
+    res = _cli(["eval", "manager", *common, "--arms", "base,adapter"])
     assert res.exit_code == 0, res.output
     ev = json.loads(res.stdout.strip().splitlines()[-1])
     assert ev["close_bias"] == {"base": 0.0, "adapter": -1e4}
     assert ev["adapter"]["deleted"] == out["by_bias"]["-10000.0"]["deleted"]
-    res = _cli(["eval", "manager", *common, "--close-bias", "1e4"])
+    res = _cli(["eval", "manager", *common, "--arms", "base,adapter", "--close-bias", "1e4"])
     assert json.loads(res.stdout.strip().splitlines()[-1])["adapter"]["deleted"] == 0
 
     import uvicorn
@@ -178,7 +178,7 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     write_traces(tmp_path / "traces", keep, {"seed": 5})
     common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
               "--traces", str(tmp_path / "traces"), "--split", "validation", "--every", "2", "--limit", "2",
-              "--close-bias", "-1", "--no-base", "--no-mlflow", "--json"]
+              "--close-bias", "-1", "--no-base", "--arms", "adapter", "--no-mlflow", "--json"]
     journal = tmp_path / "j.jsonl"
     runs = [_cli([*common, *extra]) for extra in (["--journal", str(journal)], ["--workers", "2"],
                                                   ["--journal", str(journal)])]
@@ -193,7 +193,7 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     assert other.exit_code == 2 and "other settings (every" in other.output
     bad = _cli(["eval", "calibrate", "--data", str(tmp_path), "--adapter", str(adapter_dir), "--workers", "0"])
     assert bad.exit_code == 2 and "--workers must be >= 1" in bad.output
-    bad = _cli(["eval", "manager", "--data", str(tmp_path), "--no-base"])
+    bad = _cli(["eval", "manager", "--data", str(tmp_path), "--no-base", "--arms", "base,adapter"])
     assert bad.exit_code == 2 and "--no-base leaves no manager" in bad.output
 
 
@@ -240,7 +240,7 @@ def test_a_recorded_confidence_rule_is_served_and_evaluated(tiny_folder, adapter
     traces = _traces_dir(tmp_path)
     common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
               "--traces", str(traces), "--split", "validation", "--every", "2", "--limit", "1", "--no-mlflow",
-              "--json"]
+              "--arms", "base,adapter", "--json"]
     ev = json.loads(_cli(common).stdout.strip().splitlines()[-1])
     assert ev["min_confidence"] == {"base": None, "adapter": 0.7}
     ev = json.loads(_cli([*common, "--min-confidence", "0"]).stdout.strip().splitlines()[-1])

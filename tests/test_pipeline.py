@@ -70,3 +70,41 @@ def test_the_manager_stage_keeps_a_journal_in_its_folder(tmp_path):
     (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
     args = manager.command(tmp_path / "manager-x", {"hindsight": tmp_path / "h", "train": train})
     assert args[args.index("--journal") + 1] == str(tmp_path / "manager-x" / "traces.jsonl")
+
+
+def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
+    """Leave-one-environment-out as stages: training, calibration and the baselines' fit see only the other
+    environments; the held-out stage and the imported set test the held-out one; every recipe flag reaches its
+    command."""
+    from kvsteward.pipelines.pipeline import DONE, stages
+
+    cfg = PipelineConfig(envs="research,ops,support", holdout_env="ops", train_minutes=30, lr=5e-4, pack=True)
+    by = {s.name: s for s in stages(cfg)}
+    assert list(by) == ["traces", "hindsight", "train", "calibrate", "manager", "heldout", "fresh_traces",
+                        "exported", "imported", "manager_imported", "longsession"]
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
+    up = {n: tmp_path / n for n in by} | {"train": train}
+
+    def args(name):
+        a = by[name].command(tmp_path / name, up)
+        return {k: a[i + 1] for i, k in enumerate(a) if k.startswith("--") and i + 1 < len(a)}, a
+
+    t, raw = args("train")
+    assert t["--envs"] == "research,support" and t["--max-minutes"] == "30" and t["--lr"] == "0.0005"
+    assert t["--adapter-scope"] == "aux" and t["--aux-context"] == "full" and "--skip-trivial" in raw
+    assert "--pack" in args("hindsight")[1]
+    c, _ = args("calibrate")
+    assert c["--split"] == "validation" and c["--env"] == "research,support"
+    m, _ = args("manager")
+    h, _ = args("heldout")
+    assert m["--env"] == "research,support" and h["--env"] == "ops" and h["--split"] == "test"
+    assert m["--fit-envs"] == h["--fit-envs"] == "research,support"
+    assert args("fresh_traces")[0]["--env"] == "ops" and args("fresh_traces")[0]["--seed"] == "1"
+    i, _ = args("manager_imported")
+    assert i["--traces"] == str(tmp_path / "imported") and i["--split"] == "all"
+    with pytest.raises(ValueError, match="not among --envs"):
+        PipelineConfig(envs="research", holdout_env="ops").check()
+    with pytest.raises(ValueError, match="no environment left"):
+        PipelineConfig(envs="ops", holdout_env="ops").check()

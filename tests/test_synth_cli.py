@@ -65,8 +65,15 @@ def test_export_import_with_lexical_planner(traces_dir, tmp_path):
 
 
 def test_bad_input_gives_a_clear_error(tmp_path):
-    r = runner.invoke(app, ["synth", "traces", "--tasks", "2", "--out", str(tmp_path / "x"), "--min-hops", "1"])
+    r = runner.invoke(app, ["synth", "traces", "--env", "templated", "--tasks", "2", "--out", str(tmp_path / "x"),
+                            "--min-hops", "1"])
     assert r.exit_code == 2 and "min_hops" in r.output
+    r = runner.invoke(app, ["synth", "traces", "--env", "ops", "--tasks", "2", "--out", str(tmp_path / "x"),
+                            "--page-words", "20"])  # a flag the chosen environment does not have: refused, not ignored
+    assert r.exit_code == 2 and "--page-words: no environment among ops" in r.output
+    r = runner.invoke(app, ["synth", "traces", "--env", "ops", "--tasks", "2", "--out", str(tmp_path / "x"),
+                            "-o", "nonsense=3"])
+    assert r.exit_code == 2 and "--option nonsense" in r.output
     r = runner.invoke(app, ["synth", "stats", str(tmp_path / "nope"), "--json"])
     assert r.exit_code == 2 and "not a saved DatasetDict" in r.output
     r = runner.invoke(app, ["synth", "import", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "y"),

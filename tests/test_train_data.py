@@ -168,3 +168,20 @@ def test_dataset_trigger_from_the_card_else_from_the_rows(tmp_path, tok):
     (tmp_path / "card.json").write_text(json.dumps({"config": {"trigger": "notes"}}))
     assert dataset_trigger(tmp_path, dd["train"].select([])) == "notes"
     assert dataset_trigger(tmp_path / "nowhere", random_ids_dataset(rows=10)["train"]) == "ids"
+
+
+def test_select_envs_keeps_only_the_named_environments_in_every_split():
+    """`--envs`: a leave-one-environment-out run never sees the held-out environment's rows, in any split."""
+    from datasets import Dataset, DatasetDict
+
+    from kvsteward.train.data import DataError, select_envs
+
+    rows = {"input_ids": [[1, 2]] * 6, "labels": [[-100, 2]] * 6, "is_aux": [True] * 6,
+            "env": ["ops", "research", "support", "ops", "research", "support"]}
+    dd = DatasetDict({"train": Dataset.from_dict(rows), "validation": Dataset.from_dict(rows)})
+    out = select_envs(dd, "research,support")
+    assert all(set(out[s]["env"]) == {"research", "support"} and len(out[s]) == 4 for s in out)
+    with pytest.raises(DataError, match="no rows of \\['web'\\]"):
+        select_envs(dd, "ops,web")
+    with pytest.raises(DataError, match="needs the `env` column"):
+        select_envs(DatasetDict({"train": Dataset.from_dict({k: v for k, v in rows.items() if k != "env"})}), "ops")

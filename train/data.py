@@ -44,6 +44,21 @@ def load_splits(path: str | Path) -> DatasetDict:
     return ds
 
 
+def select_envs(splits: DatasetDict, envs: str) -> DatasetDict:
+    """Every split cut to the rows of the comma-separated environments `envs` (`--envs`): a leave-one-environment-out
+    run trains and chooses its settings without ever seeing the held-out one. Refuses names the dataset lacks."""
+    want = {e.strip() for e in envs.split(",") if e.strip()}
+    train = splits["train"]
+    if "env" not in train.column_names:
+        raise DataError("--envs needs the `env` column: rebuild the dataset with this version of `steward synth "
+                        "hindsight`")
+    have = set(train["env"])
+    if missing := sorted(want - have):
+        raise DataError(f"--envs {envs!r}: the train split has no rows of {missing} (it holds {sorted(have)})")
+    return DatasetDict({name: split.filter(lambda e: e in want, input_columns="env", desc=f"--envs ({name})")
+                        for name, split in splits.items()})
+
+
 def dataset_trigger(path: str | Path, rows: Dataset | None = None) -> str:
     """The deletion trigger layout a dataset's rows use: from its card (`steward synth hindsight --trigger`), else
     read off the first deletion row's trigger message (`rows`: a notes trigger's second line is the task), else `ids`

@@ -22,6 +22,7 @@ from kvsteward.train.data import (
     first_message_rows,
     fit_length,
     load_splits,
+    select_envs,
     validation_rows,
     weigh_delete_rows,
 )
@@ -68,6 +69,7 @@ class LoraRunConfig:
     eval_steps: int = 0  # score them every N steps (0 = at every checkpoint, `save_steps`)
     keep_best: bool = False  # deliver the best validation checkpoint (by `best_metric`) instead of the last state
     best_metric: str = "loss"  # loss: the lowest validation CE; f1: the highest decision F1 (`train.decisions`)
+    envs: str = ""  # comma-separated environments whose rows train (and validate) the adapter; "" = every row
     mlflow: bool = True
     experiment: str = "kvsteward"
     register: bool = True
@@ -267,6 +269,9 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     args = training_args(cfg, ckpt_dir)  # before the model: under ZeRO-3 it makes from_pretrained partition weights
 
     splits = load_splits(cfg.data)
+    if cfg.envs:
+        splits = select_envs(splits, cfg.envs)
+        log(f"--envs {cfg.envs}: {len(splits['train'])} train rows of those environments")
     train = splits["train"]
     trigger = dataset_trigger(cfg.data, train)  # the layout the adapter learns, recorded for the server
     if cfg.aux_context == "first":  # before fit_length: a cut row fits where its full context did not
@@ -333,7 +338,8 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     progress = RichProgress(cfg.max_steps)
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
     # how it was trained, for the server: the trigger it writes, and the context it serves the aux thread on
-    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope, "aux_context": cfg.aux_context}
+    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope, "aux_context": cfg.aux_context,
+            "train_envs": sorted(set(train["env"])) if "env" in train.column_names else []}
     callbacks = [progress, AdapterMetaInCheckpoints(meta)] + ([MlflowMetrics()] if tracking else []) + budget + \
         list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
