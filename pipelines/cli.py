@@ -14,6 +14,7 @@ from kvsteward.pipelines import (  # noqa: E402
     cli_eval,
     cli_models,
     cli_pipeline,
+    cli_results,
     cli_serve,
     cli_synth,
     cli_train,
@@ -29,6 +30,7 @@ app.add_typer(cli_train.app, name="train", help="Train the learned memory manage
 app.add_typer(cli_eval.app, name="eval", help="Long-session benchmark and learned-manager metrics.")
 app.add_typer(cli_serve.app, name="serve", help="Serve over HTTP: OpenAI-compatible + AKV cache ops + sessions.")
 app.add_typer(cli_pipeline.app, name="pipeline", help="The end-to-end pipeline, cached by input hash and resumable.")
+app.add_typer(cli_results.app, name="results", help="The headline results: docs/results/*/result.json → summary.json.")
 
 
 def main() -> None:

@@ -83,6 +83,9 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
         _print_findings(summary)
 
 
+# arm names as the tables print them (an 80-column log: `make demo`)
+SHORT = {"delete_all_read": "all read", "keep_last_k": "last K", "text_classifier": "BoW LR",
+         "lexical_overlap": "overlap", "attention_mass": "attention"}
 TEST_SETS = {"manager": "in-distribution test split", "heldout": "held-out environment",
              "manager_imported": "imported trace file"}
 
@@ -116,7 +119,7 @@ def _print_findings(summary: dict) -> None:
             t.add_column(header)
         for arm in man.get("arms") or [a for a in ("base", "adapter") if a in man]:
             row = man[arm]
-            t.add_row(arm, *("-" if row.get(c) is None or row.get(c) != row.get(c) else f"{row[c]:.2f}"
+            t.add_row(SHORT.get(arm, arm), *("-" if row.get(c) is None or row.get(c) != row.get(c) else f"{row[c]:.2f}"
                              for c in cols))
         console.print(t)
     ls = summary.get("longsession", {}).get("result")

@@ -120,3 +120,91 @@ def test_evaluate_reports_every_arm_on_the_same_traces(manager_setup):
     summary = summarize(Tally(), Tally(peak=[1], kv_reads=[1]))  # nothing decided: no division by zero
     assert summary["n_decisions"] == 0 and summary["answer_acc"] != summary["answer_acc"]  # NaN
     assert set(expired(traces[0], len(traces[0].messages)))  # (the traces do expire cursors)
+
+
+def test_eval_manager_cli_reports_every_arm_with_the_contract_metrics(tiny_folder, tmp_path):
+    """`steward eval manager --data DS --json`: one object per arm (the adapter arm needs --adapter) with the
+    contract's metrics, the baselines fitted on the dataset's train split, the attention threshold on its
+    validation traces; `--env` selects a held-out environment, `--traces` an imported folder (`--split all`)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvsteward.pipelines.cli import app
+
+    runner = CliRunner()
+
+    def ok(args):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    ok(["synth", "traces", "--env", "templated,ops", "--tasks", "20", "--seed", "2", "--out", str(tmp_path / "t"),
+        "--world-size", "200"])
+    ok(["synth", "hindsight", str(tmp_path / "t"), "--every", "2", "--no-plan", "--out", str(tmp_path / "ds")])
+    common = ["eval", "manager", "--model", str(tiny_folder), "--data", str(tmp_path / "ds"), "--every", "2",
+              "--limit", "1", "--attention-fit", "1", "--no-mlflow", "--json"]
+    out = json.loads(ok([*common, "--env", "ops"]).strip().splitlines()[-1])
+    arms = ["base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "attention_mass"]
+    assert out["arms"] == arms and out["envs"] == ["ops"] and out["n_traces"] == 1
+    keys = {"f1", "precision", "recall", "harmful_rate", "harmful_rate_ci95", "peak_tokens_reduction",
+            "kv_reads_reduction", "answer_acc", "n_decisions"}
+    assert all(keys <= set(out[a]) for a in arms)
+    assert out["delete_all_read"]["deleted"] == out["delete_all_read"]["n_decisions"] > 0
+    assert out["attention_fit"]["fit_traces"] == 1 and set(out["baseline_settings"]) == set(arms[1:5])
+    ok(["synth", "export", str(tmp_path / "t"), "--env", "ops", "--split", "test", "--provenance", "--out",
+        str(tmp_path / "s.jsonl")])
+    ok(["synth", "import", str(tmp_path / "s.jsonl"), "--planner", "provenance", "--out", str(tmp_path / "imp")])
+    imp = json.loads(ok([*common, "--traces", str(tmp_path / "imp"), "--split", "all", "--arms",
+                         "delete_all_read,keep_last_k", "--fit-envs", "ops"]).strip().splitlines()[-1])
+    assert imp["arms"] == ["delete_all_read", "keep_last_k"] and imp["fit_envs"] == ["ops"]
+    # the same trace, imported or not, gives the same decisions to the same rule
+    same = json.loads(ok([*common, "--env", "ops", "--arms", "delete_all_read,keep_last_k", "--fit-envs", "ops"])
+                      .strip().splitlines()[-1])
+    for a in imp["arms"]:
+        assert imp[a]["n_decisions"] == same[a]["n_decisions"] and imp[a]["deleted"] == same[a]["deleted"]
+    bad = runner.invoke(app, [*common, "--arms", "base,oracle"])
+    assert bad.exit_code == 2 and "unknown ['oracle']" in bad.output
+
+
+def test_a_foreign_trace_folder_goes_through_hindsight_audit_and_eval(tiny_folder, tmp_path):
+    """A generator the project never made, writing only the documented fields (messages with `[cursor N]` tags and
+    `reads`; no env, cues, answer or question): hindsight annotates it, the audit runs, every non-model arm and the
+    base model evaluate it (no answer: no answer score)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvsteward.pipelines.cli import app
+
+    runner = CliRunner()
+    lines = []
+    for i in range(30):
+        msgs = [{"role": "system", "content": "You sort parcels."}, {"role": "user", "content": f"Route batch {i}."}]
+        reads: dict[str, list[int]] = {}
+        for k in range(4):
+            reads[str(len(msgs))] = [len(msgs) - 1] if k else []
+            msgs.append({"role": "assistant", "content": f"Checking bin {k}.\n<tool_call>\n{{\"name\": \"bin\", "
+                                                         f"\"arguments\": {{\"id\": {k}}}}}\n</tool_call>"})
+            msgs.append({"role": "tool", "content": f"[cursor {len(msgs)}] bin {k}: {(i * 7 + k) % 5} parcels"})
+        keep = 3 + 2 * (i % 3)  # the summary reads one earlier bin again (which one: by trace)
+        reads[str(len(msgs))] = sorted({len(msgs) - 1, keep})
+        msgs.append({"role": "assistant", "content": "Done."})
+        split = {8: "validation", 9: "test"}.get(i % 10, "train")
+        lines.append(json.dumps({"task_id": f"x{i}", "split": split, "messages": msgs, "reads": reads}))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "traces.jsonl").write_text("\n".join(lines) + "\n")
+
+    def ok(args):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    card = json.loads(ok(["synth", "hindsight", str(tmp_path / "t"), "--every", "2", "--no-plan", "--out",
+                          str(tmp_path / "ds"), "--json"]))
+    assert card["audit"]["n_decisions"] > 0 and card["envs"] == {"": 30}
+    out = json.loads(ok(["eval", "manager", "--model", str(tiny_folder), "--data", str(tmp_path / "ds"), "--split",
+                         "test", "--every", "2", "--limit", "2", "--attention-fit", "1", "--no-mlflow", "--json"])
+                     .strip().splitlines()[-1])
+    assert all(out[a]["n_decisions"] > 0 for a in out["arms"]) and out["uncompressed"]["answer_acc"] != \
+        out["uncompressed"]["answer_acc"]  # NaN: these traces carry no answer

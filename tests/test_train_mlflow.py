@@ -99,3 +99,31 @@ def test_dataset_input_has_a_schema_when_a_column_holds_only_empty_lists(tmp_pat
     schema = Schema.from_json(json.dumps(json.loads(inp.dataset.schema)["mlflow_colspec"]))
     assert set(schema.input_names()) == {"input_ids", "is_aux"}
     assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"
+
+
+def test_the_pipeline_attaches_card_audit_and_evaluations_to_the_adapter_run(home, tmp_path):
+    """What a reader of the registered adapter needs beside the weights: the dataset card (with its audit) and every
+    evaluation of the pipeline, as artifacts of the adapter's training run."""
+    import mlflow
+
+    from kvsteward.pipelines.pipeline import attach_to_adapter_run
+
+    ensure_tracking()
+    with mlflow.start_run() as run:
+        pass
+    ds = tmp_path / "hindsight" / "ds"
+    ds.mkdir(parents=True)
+    (ds / "card.json").write_text(json.dumps({"audit": {"baselines": {"delete_all_read": {"f1": 0.6}}}}))
+    (ds / "README.md").write_text("# card\n")
+    summary = {"train": {"result": {"mlflow_run_id": run.info.run_id}}, "hindsight": {"dir": str(tmp_path /
+                                                                                               "hindsight")},
+               "manager": {"result": {"adapter": {"f1": 0.7}}}, "heldout": {"result": {"adapter": {"f1": 0.5}}}}
+    assert attach_to_adapter_run(summary) == run.info.run_id
+    client = mlflow.MlflowClient()
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "card")} | \
+        {a.path for a in client.list_artifacts(run.info.run_id, "evaluation")}
+    assert names == {"card/card.json", "card/README.md", "evaluation/manager.json", "evaluation/heldout.json"}
+    got = json.loads(Path(client.download_artifacts(run.info.run_id, "evaluation/heldout.json", str(tmp_path)))
+                     .read_text())
+    assert got == {"adapter": {"f1": 0.5}}
+    assert attach_to_adapter_run({"train": {"result": {}}}) is None  # an untracked training run: nothing to attach
