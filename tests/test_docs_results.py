@@ -142,3 +142,22 @@ def test_format_and_resolve_basics(tmp_path):
     assert format_value(56 / 216, {"format": ".0f", "scale": 100, "unit": " %"}) == "26 %"
     assert format_value(8567, {"format": ",d"}) == "8,567"
     assert resolve({"list": [1, {"ratio": [1, 4]}]}, tmp_path) == [1, 0.25]
+
+
+def test_collect_cli_writes_then_checks(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvsteward.pipelines.cli import app
+
+    root = tmp_path / "docs" / "results"
+    root.mkdir(parents=True)
+    _study(root, "2026-01-02-x", topic="x", metrics={"n": 3}, cite={"n": {"format": "d", "in": ["README.md"]}})
+    (tmp_path / "README.md").write_text("three: 3\n")
+    runner = CliRunner()
+    check = ["results", "collect", "--root", str(root), "--check"]
+    assert runner.invoke(app, check).exit_code == 1  # no summary yet
+    assert runner.invoke(app, ["results", "collect", "--root", str(root)]).exit_code == 0
+    assert runner.invoke(app, check).exit_code == 0
+    (tmp_path / "README.md").write_text("three: 33\n")
+    result = runner.invoke(app, check)
+    assert result.exit_code == 1 and "does not quote '3'" in result.output

@@ -1,7 +1,7 @@
 """Decision-level validation: the served decoder on held-out deletion rows (`steward train lora --eval-rows`).
 
 The validation CE (`eval_loss`) is teacher-forced and mixes the format tokens and the ids every manager deletes with
-the few tokens that decide; session 11 measured two adapters where the lower CE was the worse manager. This scores
+the few tokens that decide; two adapters were measured where the lower CE was the worse manager. This scores
 what the server does instead: per row, the context before `fork_at` through the base model, then the adapter on the
 trigger, the forced opener and a greedy decode constrained to the open cursors that have been read (`serve.manager`'s
 own decoder, `keep_unread`), compared with the row's hindsight target. A false positive on a per-boundary row is a

@@ -1,9 +1,10 @@
 """A soup of memory-manager adapters: one LoRA whose weight delta is the weighted mean of several adapters' deltas.
 
-Seeds of one training configuration differ widely (docs/training.md, sessions 13–15: the same data and budget give
-5–16 % harmful deletions); averaging their weights (a "uniform model soup", Wortsman et al. 2022) removes the luck of
-the draw at the cost of one adapter — one aux-thread forward per token, unlike an ensemble of decoders. (Session 16:
-on that recipe the soup of three seeds lands at the median seed; see docs/training.md.) PEFT's
+Seeds of one training configuration differ widely (docs/results/2026-12-01-manager-calibrated-on-validation: the same
+data and budget give 5–16 % harmful deletions); averaging their weights (a "uniform model soup", Wortsman et al. 2022)
+removes the luck of the draw at the cost of one adapter — one aux-thread forward per token, unlike an ensemble of
+decoders. (On that recipe the soup of three seeds lands at the median seed:
+docs/results/2026-12-01-manager-soup-cue-weights-60min.) PEFT's
 `add_weighted_adapter(combination_type="cat")` makes it exactly: the LoRA factors side by side, rank the sum of the
 ranks, ΔW = Σ wᵢ·sᵢ·BᵢAᵢ (no SVD truncation). The soup is a new manager: its close bias is calibrated afresh.
 """

@@ -202,8 +202,8 @@ def _confident_steps(session: Session, tokenizer, open_ids: list[int], min_confi
 
     Why: greedy decoding commits to the first id it ranks highest, and a manager torn between two ids (0.55 vs 0.45:
     which of two fact pages is stale) deletes one with certainty; its harmful deletions are mostly such splits, while
-    its right ones are listed with P > 0.9 (docs/training.md, session 19). Summing the probability of every list
-    that holds c — the marginal, what a decision per id needs — makes that doubt visible.
+    its right ones are listed with P > 0.9 (docs/results/2026-12-02-manager-confidence-rule). Summing the probability
+    of every list that holds c — the marginal, what a decision per id needs — makes that doubt visible.
 
     How: a depth-first walk over the grammar's token tree (`valid_tail`; probabilities renormalized over the valid
     candidates, `close_bias` added to closing tokens as in greedy), the most probable child first, each branch a
