@@ -27,11 +27,12 @@ venv: $(STAMP)
 model: venv
 	$(VENV)/bin/steward models pull smollm2
 
-# The whole pipeline on the embedded model at sizes that finish in about 15 minutes on 2 CPU cores:
-# synth traces → hindsight labels → LoRA training (MLflow) → manager eval → long-session benchmark (h2o vs pace).
-# Stages are cached by their inputs under runs/demo: a second `make demo` reuses them.
-DEMO_ARGS ?= --tasks 60 --page-words 30 --doc-words 50 --max-hops 4 --every 2 --no-plan --train-steps 12 \
-	--max-len 1024 --rank 16 --lr 1e-3 --top-layers 10 --manager-traces 3 --bench-length 4096 \
+# The whole pipeline on the embedded model at sizes that finish in about 15 minutes on 2 CPU cores: agent traces of
+# three environments → hindsight labels + shortcut audit → LoRA manager trained on two of them (MLflow) → decode rule
+# chosen on validation → the manager against the cheap baselines on the in-distribution test split, the held-out
+# environment and an imported trace file → long-session benchmark (h2o vs pace). Stages are cached under runs/demo.
+DEMO_ARGS ?= --envs research,ops,support --holdout-env support --tasks 60 --every 2 --train-steps 60 --max-len 2560 \
+	--calibrate-traces 4 --manager-traces 6 --attention-fit 3 --workers 2 --bench-length 4096 \
 	--bench-distances 512,3000 --bench-sessions 1 --bench-arms h2o,pace
 demo: model
 	OMP_NUM_THREADS=2 $(VENV)/bin/steward pipeline run --model smollm2 --root runs/demo $(DEMO_ARGS)
