@@ -8,7 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM := false
 export KVSTEWARD_HOME ?= $(CURDIR)/.steward
 
-.PHONY: venv model services demo test lint
+.PHONY: venv sglang-venv model services demo test lint
 
 $(STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,24 @@ $(STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# A real SGLang server for CPU, in its own virtualenv (sglang pins transformers 5.12.1; the project keeps 5.23):
+# sglang 0.5.21 and its CPU-only dependency set, every package pinned and installed --no-deps
+# (requirements-sglang-cpu.txt), sglang_cpu/ (a plain-torch `sgl_kernel` stand-in and the boot module a .pth loads in
+# every sglang process), and this package --no-deps (its entry point is the plugin). ~3 minutes, no compiler.
+SGL_VENV := .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.installed
+$(SGL_STAMP): requirements-sglang-cpu.txt pyproject.toml $(wildcard sglang_cpu/pyproject.toml sglang_cpu/*/*.py)
+	test -x $(SGL_VENV)/bin/python || python3 -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/pip install -q --upgrade pip
+	$(SGL_VENV)/bin/pip install -q torch==2.13.0
+	$(SGL_VENV)/bin/pip install -q --no-deps -r requirements-sglang-cpu.txt
+	$(SGL_VENV)/bin/pip install -q --no-deps --force-reinstall ./sglang_cpu
+	echo "import kvsteward_sglang_boot" > "$$($(SGL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvsteward-sglang-cpu.pth"
+	$(SGL_VENV)/bin/pip install -q --no-deps -e .
+	touch $(SGL_STAMP)
+
+sglang-venv: $(SGL_STAMP)
 
 model: venv
 	$(VENV)/bin/steward models pull smollm2
@@ -44,7 +62,7 @@ services:
 	  ( (apt-get update -qq && (apt-get install -y -qq valkey-server || apt-get install -y -qq redis-server)) \
 	    >/dev/null 2>&1 || echo "note: no valkey-server/redis-server installed: the Valkey tier test will skip" )
 
-test: model services
+test: model services sglang-venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

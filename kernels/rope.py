@@ -69,7 +69,7 @@ def _flat_rope_parameters(config, layer_type: str | None) -> dict:
         raise UnsupportedRope(f"{type(config).__name__} has no rope_parameters: is this a RoPE model?")
     config.standardize_rope_params()
     params = config.rope_parameters
-    nested = config.nested_rope_parameter_keys(params)
+    nested = _nested_keys(config, params)
     if nested:
         if layer_type is None:
             raise UnsupportedRope(f"rope_parameters are per layer type {nested}: pass layer_type= to rope_spec")
@@ -77,6 +77,20 @@ def _flat_rope_parameters(config, layer_type: str | None) -> dict:
     if layer_type is not None:
         raise ValueError(f"layer_type={layer_type!r} given but rope_parameters are not nested by layer type")
     return params
+
+
+def _nested_keys(config, params: dict) -> list[str]:
+    """The keys `rope_parameters` is nested under (per layer type), or [] for one flat dict.
+
+    transformers 5.23 (this project's pin) has `PreTrainedConfig.nested_rope_parameter_keys`; 5.12.1 (sglang
+    0.5.19-0.5.21's pin, in an SGLang server's environment) has not, and its `standardize_rope_params` treats the
+    parameters as nested exactly when the config declares `layer_types` and every key is one of them: the same rule
+    here."""
+    method = getattr(config, "nested_rope_parameter_keys", None)
+    if method is not None:
+        return method(params)
+    labels = getattr(config, "layer_types", None) or ()
+    return list(params) if labels and params and set(params) <= set(labels) else []
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:

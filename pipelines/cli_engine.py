@@ -216,3 +216,35 @@ def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
         conf = eng.min_confidence
     _emit(checks.bench_aux(eng, turns, every, gap, max_tokens, aux_max_tokens, progress=_progress,
                            min_confidence=conf), as_json)
+
+
+@bench_app.command("sglang")
+def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a local folder for SGLang)"),
+                 concurrency: int = typer.Option(4, help="agent sessions in flight at once"),
+                 turns: int = typer.Option(8, help="turns per session (one tool response + one reply each)"),
+                 max_new_tokens: int = typer.Option(16, help="reply tokens per turn (ignore_eos)"),
+                 keep: int = typer.Option(2, help="AKV rolling rule: tool responses kept; older ones are dropped"),
+                 reposition_every: int = typer.Option(2, help="every N-th drop also repositions (0: never)"),
+                 tool_words: int = typer.Option(60, help="words of synthetic output per tool response"),
+                 max_total_tokens: int = typer.Option(16384, help="SGLang's KV pool (--max-total-tokens)"),
+                 dtype: str = typer.Option("float32", help="the servers' --dtype"),
+                 threads: int = typer.Option(2, help="OMP threads of each server"),
+                 match_scaling: bool = typer.Option(True, help="also time match_prefix vs conversation length"),
+                 log_dir: str = typer.Option("", help="keep the servers' logs here"),
+                 as_json: bool = typer.Option(False, "--json")) -> None:
+    """SGLang + kvsteward vs SGLang's default radix cache on the same agent-like requests, same run (one server at a
+    time, started from .venv-sglang): requests/s, output tokens/s, p50/p95 latency, cached-token ratio, peak KV
+    tokens, and the plugin's overhead on requests without ops (`no_op_overhead`, target <= 1.05)."""
+    from kvsteward import models
+    from kvsteward.serve.bench import sglang as bench
+
+    folder = models.resolve(model)
+    tok = models.load_tokenizer(model)
+    result = bench.bench_sglang(folder, tok, concurrency=concurrency, turns=turns, max_new_tokens=max_new_tokens,
+                                keep=keep, reposition_every=reposition_every, tool_words=tool_words,
+                                max_total_tokens=max_total_tokens, dtype=dtype, threads=threads,
+                                progress=_progress, log_dir=log_dir or None)
+    if match_scaling:
+        result["match_prefix"] = bench.match_prefix_scaling(progress=_progress)
+    result["workload"]["model"] = model
+    _emit(result, as_json)

@@ -15,7 +15,7 @@ ALLOWED = {
     "manager": {"engine", "manager"},
     "server": {"engine", "manager", "server"},
     "sglang": {"engine", "manager", "sglang"},
-    "bench": {"engine", "manager", "server", "bench"},
+    "bench": {"engine", "manager", "server", "sglang", "bench"},  # everything (serve/__init__.py)
 }
 MANAGER_ORDER = ["decode", "planner", "thread", "worker"]  # a module may import only those before it
 

@@ -1,19 +1,16 @@
-"""The SGLang plugin against SGLang 0.5.19's own RadixCache, MHATokenToKVPool(device="cpu") and allocator.
+"""The SGLang plugin against SGLang 0.5.21's own RadixCache, MHATokenToKVPool(device="cpu") and allocator.
 
 A stand-in "model" computes each token's KV exactly as SGLang stores it: K = RoPE(raw_k[token], position) with the
 position = the token's row index, V = raw_v[token]. So the KV row of any served state can be checked against the
 float64 truth: K = apply_rope(raw_k[physical ids], 0..n-1), V = raw_v[physical ids].
 
 sglang must be importable (CI installs requirements-sglang.txt): an ImportError here is a failure, not a skip.
-Only the full-server test (needs CUDA) skips.
+A real server runs in tests/test_sglang_server.py and tests/test_sglang_manager.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
+import json
 from array import array
 from types import SimpleNamespace
 
@@ -54,14 +51,27 @@ def true_k(ids, positions, layer: int) -> torch.Tensor:
     return apply_rope(raw, torch.as_tensor(positions, dtype=torch.int64), SPEC).transpose(0, 1)
 
 
+class KV(SimpleNamespace):
+    """The fields of sglang's per-request KV record that the tree caches and `free_kv_row` read."""
+
+    def get_evicted_seqlen(self, component_type) -> int:
+        return 0
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        return 0
+
+
 class Req:
     """The fields of sglang's Req that the tree caches read."""
 
-    def __init__(self, ids, custom=None, extra_key=None):
+    def __init__(self, ids, custom=None, extra_key=None, lora_id=None):
         self.origin_input_ids, self.output_ids = array("q", ids), array("q")
         self.sampling_params = SimpleNamespace(custom_params=custom)
+        self.lora_id = lora_id
+        if lora_id is not None:  # what sglang's Req.__init__ does
+            extra_key = (extra_key or "") + lora_id
         self.extra_key, self.cache_salt, self.priority = extra_key, None, 0
-        self.kv = SimpleNamespace(req_pool_idx=None, cache_protected_len=0, swa_evicted_seqlen=0)
+        self.kv = KV(req_pool_idx=None, cache_protected_len=0)
         self.last_node = None
         self.prefix_indices = None
 
@@ -105,8 +115,14 @@ class Server:
             self.finish(req)
         return out
 
-    def finish(self, req: Req) -> None:
-        self.cache.cache_finished_req(req, kv_len_to_handle=len(req.origin_input_ids))
+    def finish(self, req: Req, insert: bool = True) -> None:
+        """sglang 0.5.21's `mem_cache.common.release_kv_cache`: insert, free the rest of the row, unpin, release."""
+        n = len(req.origin_input_ids) + len(req.output_ids)
+        if insert:
+            self.cache.insert_req(req, up_to=n)
+        self.cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, n)])
+        self.cache.unpin(req)
+        self.cache.on_release(req, inserted=insert)
         self.rows.free_rows([req.kv.req_pool_idx])
 
     def kv(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -321,8 +337,8 @@ def test_op_grammar_refusals_and_physical_ids():
     ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
     assert ids == A + C + D
     hist = parse_request(custom, None)
-    assert hist.elements == (("tokens", tuple(A + B + C)), ("drop", (3, 4, 5, 6)), ("reposition",),
-                             ("tokens", tuple(D)))
+    assert hist.elements == (("tokens", array("q", A + B + C)), ("drop", (3, 4, 5, 6)), ("reposition",),
+                             ("tokens", array("q", D)))
     # a plain drop (no reposition): survivors keep positions 0-2, 7-8; D goes to 9..11 at row indices 5..7
     ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}})
     plain = parse_request(custom, None)
@@ -355,7 +371,8 @@ def test_aux_fork_reads_the_main_state_and_its_decision_is_the_next_drop():
     reply = '{"del_cursors": [1, 7]}'  # 7 is not an open cursor: ignored
     assert aux.parse_del_cursors(reply, [1]) == [1]
     nxt = aux.next_main_request(main_msgs, None, reply, [1], [D])
-    assert nxt["sampling_params"]["custom_params"]["kvsteward"]["cache"] == {"drop": {"2": [1]}, "reposition": [2]}
+    assert json.loads(nxt["sampling_params"]["custom_params"]["kvsteward"])["cache"] == \
+        {"drop": {"2": [1]}, "reposition": [2]}
     r = s.run(Req(nxt["input_ids"], nxt["sampling_params"]["custom_params"]))
     assert r.prefix_len == len(A + C)  # the main state (not the fork's trigger) with B dropped
     s.assert_row_is_truth(r.row, A + C + D)
@@ -409,56 +426,126 @@ def test_plugin_registers_the_backend_and_its_factory_builds_the_tree():
         factory(SimpleNamespace(**{**vars(ctx), "enable_hierarchical_cache": True}))
 
 
-# ---------------------------------------------------------------------------------------------- full server
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the SGLang server needs a CUDA device")
-def test_full_server_with_kvsteward_backend(tmp_path):
-    pytest.importorskip("sgl_kernel")
-    requests = pytest.importorskip("requests")
-    from transformers import LlamaForCausalLM
+# ------------------------------------------------------------------------------------ the compact op channel
+def test_the_op_channel_is_a_json_string_that_survives_msgpack():
+    """sglang declares custom_params values as scalars / lists of scalars / dicts of scalars ("must survive msgpack
+    IPC"): the kvsteward field is one JSON string, which msgspec accepts as that type; the nested form is refused."""
+    import msgspec
+    from sglang.srt.sampling.sampling_params import CustomParamValue
 
-    torch.manual_seed(0)
-    LlamaForCausalLM(CONFIG).save_pretrained(tmp_path)
-    port = 30123
-    server = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(tmp_path),
-                               "--skip-tokenizer-init", "--radix-cache-backend", "kvsteward", "--port", str(port),
-                               "--mem-fraction-static", "0.2", "--disable-cuda-graph"],
-                              env={**os.environ, "SGLANG_PLUGINS": "kvsteward"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if requests.get(f"{url}/health", timeout=1).ok:
-                    break
-            except requests.RequestException:
-                time.sleep(1)
-        else:
-            pytest.fail("sglang server did not come up")
+    _, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
+    assert isinstance(custom["kvsteward"], str)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(custom), type=dict[str, CustomParamValue])
+    assert parse_request(wire, None).elements == parse_request(custom, None).elements
+    nested = {"kvsteward": {"messages": [A, B], "cache": {}}}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(nested), type=dict[str, CustomParamValue])
 
-        def generate(messages, cache=None):
-            body = request_fields(messages, cache)
-            body["sampling_params"].update({"max_new_tokens": 4, "temperature": 0.0})
-            r = requests.post(f"{url}/generate", json=body, timeout=60)
-            r.raise_for_status()
-            return r.json()
 
-        generate([A, B, C])
-        out = generate([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
-        assert out["meta_info"]["cached_tokens"] == len(A + C)  # the re-rotated survivors were reused
-        # a plain drop (no reposition): survivors reused as they are, D and the decode computed at row index + 4
-        out = generate([A, B, C, D], {"drop": {"2": [1]}})
-        assert out["meta_info"]["cached_tokens"] == len(A + C)
-        # the greedy tokens equal the kvsteward engine's for the same history on the same weights (HF reference:
-        # positions kept after the drop); a wrong position for D or the decoded tokens changes the logits
-        from kvsteward.serve.engine import Engine
+def test_compact_requests_continue_the_remembered_history():
+    """A client's compact requests (base key + new messages + new ops) parse on the server to the same elements,
+    physical ids, positions and key as the full form; the tree serves them the same rows; an unknown base is
+    refused (served as plain tokens), never guessed."""
+    from kvsteward.serve.sglang.ops import SglangHistory
 
-        ref = Engine(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)).session("full")
-        replay_session(ref, [A, B, C, D], {"drop": {"2": [1]}})
-        assert out["output_ids"] == ref.generate(4)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    s, client = Server(size=1024), SglangHistory()
+    r1, r2, r3 = TRIG + [30], TRIG + [31], TRIG + [32]  # each prompt and its reply
+    d1, d2 = {"drop": {"2": [1]}}, {"drop": {"2": [1]}, "reposition": [4]}
+    turns = [([A, B, TRIG], None), ([A, B, r1], None),  # a turn, then its reply sealed (cached whole) before a drop
+             ([A, B, r1, C, TRIG], d1), ([A, B, r1, C, r2], d1), ([A, B, r1, C, r2, D, TRIG], d2),
+             ([A, B, r1, C, r2, D, r3], d2), ([A, B, r1, C, r2, D, r3, E, TRIG], {**d2, "drop": {"2": [1], "6": [3]}})]
+    for t, (messages, cache) in enumerate(turns):
+        body = client.fields(messages, cache)
+        custom = body["sampling_params"]["custom_params"]
+        assert ('"base"' in custom["kvsteward"]) == (t > 0)
+        full_ids, full_custom, _ = fields(messages, cache)
+        assert body["input_ids"] == full_ids
+        mine = parse_request(custom, None, s.cache.histories)
+        ref = parse_request(full_custom, None)
+        assert (mine.elements, mine.physical_ids, mine.positions, mine.key) == \
+            (ref.elements, ref.physical_ids, ref.positions, ref.key), t
+        r = s.run(Req(body["input_ids"], custom))
+        positions = torch.tensor(ref.positions)
+        for layer in range(LAYERS):  # the row holds K at the history's positions (the engine's), V exact
+            torch.testing.assert_close(s.pool.k_buffer[layer][r.row].double(),
+                                       true_k(full_ids, positions, layer), rtol=0, atol=2e-6)
+    assert s.cache.stats["refused"] == s.cache.stats["reprefill"] == 0 and s.cache.histories.stats["hits"] >= 6
+    stale = SglangHistory()
+    stale._known = client._known
+    other = Server()  # a restarted server: nothing remembered
+    body = stale.fields(turns[-1][0] + [[40, 41]], turns[-1][1])
+    other.run(Req(body["input_ids"], body["sampling_params"]["custom_params"]))
+    assert other.cache.stats["refused"] == other.cache.stats["unknown_base"] == 1
+
+
+def test_a_walk_starts_at_the_deepest_op_node_the_tree_holds():
+    """The tree remembers each op node by the chained key of the elements up to it: a later request's walk starts
+    there (the same row as a walk from the root), and an evicted op node is forgotten, not reused."""
+    s = Server(size=1024)
+    s.run(Req(*fields([A, B, C])[:2]))
+    ops = {"drop": {"2": [1]}, "reposition": [2]}
+    first = s.run(Req(*fields([A, B, C, D], ops)[:2]))
+    assert len(s.cache._anchors) == 2  # the drop and the reposition
+    hist = parse_request(fields([A, B, C, D, E], ops)[1], None)
+    walk = s.cache.walk(hist, RadixKey(array("q", hist.physical_ids), None), limit=len(hist.physical_ids))
+    assert walk.anchor is first.node and first.node.op == ("reposition",)  # D was not cached yet: its node
+    assert torch.equal(torch.cat(walk.row)[: len(A + C + D) - 1], first.row[:-1])
+    s.cache.evict(EvictParams(num_tokens=10_000))
+    assert not s.cache._anchors and s.cache.stats["op_nodes"] == 0
+    again = s.run(Req(*fields([A, B, C, D], ops)[:2]))  # pre-op state gone: plain tokens, nothing stale used
+    assert again.prefix_len == 0 and s.cache.stats["reprefill"] == 1
+
+
+def test_match_prefix_cost_does_not_grow_with_earlier_messages():
+    """`serve.bench.sglang.match_prefix_scaling`: per-request match time on sglang's own tree, for conversations of
+    8 and 128 messages (rolling drops: ~90 ops in the longer one). The compact form stays flat; the full form (every
+    message re-sent and re-parsed) grows with the conversation."""
+    from kvsteward.serve.bench.sglang import match_prefix_scaling
+
+    rows = match_prefix_scaling((8, 128), message_len=16, repeats=15)["rows"]
+    short, long = rows
+    assert long["payload_bytes_compact"] < 2 * short["payload_bytes_compact"]
+    assert long["match_ms_compact"] < 3 * short["match_ms_compact"] + 0.3
+    assert long["match_ms_full"] > 3 * long["match_ms_compact"]
+
+
+# ----------------------------------------------------------------------------------------- the aux fork (LoRA)
+def test_a_lora_fork_reads_the_base_state_and_caches_nothing():
+    """sglang appends a LoRA request's adapter id to its extra_key; a fork carrying the main's history still matches
+    the main's (base model) state, its trigger is never matched against the tree, and nothing it computed is
+    inserted: its slots go back to the allocator when it ends."""
+    s = Server()
+    main = s.run(Req(*fields([A, B, C + TRIG[:1]])[:2]))  # the main's reply prompt starts like the trigger
+    body = aux.fork_request([A, B, C], None, TRIG)
+    free = s.free_slots()
+    fork = Req(body["input_ids"], body["sampling_params"]["custom_params"], lora_id="adapter-1")
+    r = s.run(fork)
+    assert r.prefix_len == len(A + B + C) and torch.equal(r.row[: len(A + B + C)], main.row[: len(A + B + C)])
+    assert s.free_slots() == free and s.cache.stats["forks"] == 1
+    plain = s.run(Req(body["input_ids"]))  # the fork's tokens as a plain request: only the main's part is cached
+    assert plain.prefix_len == len(A + B + C) + 1
+    # without the history, a LoRA request is sglang's: its own namespace
+    assert s.run(Req(body["input_ids"], None, lora_id="adapter-1")).prefix_len == 0
+
+
+# ----------------------------------------------------------------------------------------------- versions
+def test_the_plugin_refuses_an_unsupported_sglang_version(monkeypatch):
+    from sglang.srt.mem_cache import registry
+
+    from kvsteward.serve.sglang import plugin
+
+    plugin.check_version("0.5.21")
+    for bad in ("0.5.19", "0.5.23", None):
+        with pytest.raises(plugin.UnsupportedSglang, match="supports sglang 0.5.21"):
+            plugin.check_version(bad or "")
+    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(registry, "_RADIX_CACHE_REGISTRY", {})
+    with pytest.raises(plugin.UnsupportedSglang):
+        plugin.register()
+    with pytest.raises(plugin.UnsupportedSglang, match="0.5.23"):  # the server stops at start, with the reason
+        registry.get_radix_cache_factory("kvsteward")(SimpleNamespace())
+    monkeypatch.setenv("KVSTEWARD_SGLANG_ANY_VERSION", "1")
+    plugin.check_version("0.5.23")
 
 
 # ------------------------------------------------------------------------- plain drop: the position offset
@@ -618,7 +705,8 @@ def sglang_runtime(tmp_path_factory):
     runner = SimpleNamespace(device="cpu", is_draft_worker=False, prefill_attention_backend_str="torch_native",
                              kv_index_translator=SimpleNamespace(rebind_write_loc=lambda fb: None),
                              ngram_embedding_manager=SimpleNamespace(enabled=False), lora_manager=None,
-                             model_config=SimpleNamespace(model_is_mrope=False), ps=SimpleNamespace(attn_dcp_size=1))
+                             model_config=SimpleNamespace(model_is_mrope=False, requires_mm_token_modalities=False),
+                             attn_dcp_size=1)
     ns = SimpleNamespace(Req=SglReq, ScheduleBatch=ScheduleBatch, ForwardBatch=ForwardBatch, runner=runner,
                          SamplingParams=SamplingParams, NONE=SpeculativeAlgorithm.NONE)
     with rc.get_parallel().override(moe_ep_size=1):
@@ -701,6 +789,7 @@ def test_hook_is_inert_without_offsets_and_refuses_unsupported_batches(sglang_ru
     original = rt.ForwardBatch.init_new.__func__.__wrapped__
     fb = offset_positions(original, rt.ForwardBatch, batch, rt.runner, return_hidden_states_before_norm=False)
     assert fb.positions.tolist() == [3 + i for i in range(len(A + B))]
-    mrope = SimpleNamespace(**{**vars(rt.runner), "model_config": SimpleNamespace(model_is_mrope=True)})
+    mrope = SimpleNamespace(**{**vars(rt.runner), "model_config": SimpleNamespace(
+        model_is_mrope=True, requires_mm_token_modalities=False)})
     with pytest.raises(RuntimeError, match="M-RoPE"):
         offset_positions(original, rt.ForwardBatch, batch, mrope, return_hidden_states_before_norm=False)

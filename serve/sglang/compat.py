@@ -1,4 +1,4 @@
-"""Make sglang 0.5.19 importable next to the project's pins (CPU torch 2.13.0, transformers 5.23).
+"""Make sglang 0.5.21 importable next to the project's pins (CPU torch 2.13.0, transformers 5.23).
 
 Two things break a plain `import sglang.srt.mem_cache.radix_cache` here, and both are fixed before the import:
 
@@ -103,6 +103,13 @@ def _torchvision_for_import() -> Iterator[None]:
         define_torchvision_ops()
         yield
         return
+    try:  # transformers caches "is torchvision available?" on first ask: ask now, before the stub can answer
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+        import_utils.is_torchvision_v2_available()
+    except (ImportError, AttributeError):
+        pass
     finder = _StubFinder()
     sys.meta_path.insert(0, finder)
     try:

@@ -1,15 +1,33 @@
 """The op history a request carries to SGLang, and what SGLang must compute for it. No sglang import.
 
 A request to SGLang's `/generate` (or `sgl.Engine.generate`) carries the conversation in the grammar of
-`kvsteward.serve.engine.ops` (AKV §4.1), with messages as token ids:
+`kvsteward.serve.engine.ops` (AKV §4.1), with messages as token ids, as **one JSON string**:
 
-    custom_params = {"kvsteward": {"messages": [[ids of message 0], [ids of message 1], ...],
-                                   "cache": {"drop": {"<i>": [j, ...]}, "reposition": [i, ...]}}}
+    sampling_params.custom_params = {"kvsteward": '{"v": 1, "messages": [[ids of message 0], ...],
+                                                    "cache": {"drop": {"<i>": [j, ...]}, "reposition": [i, ...]}}'}
 
-or the same object as JSON in `extra_key = "kvsteward:" + json` (for clients that can set `extra_key` but not
-`custom_params`). `input_ids` must be the *physical* token sequence: the tokens still resident after every op, in
-row order (`SglangRequest.physical_ids`), and the history must end with appended tokens (the generation prompt)
-after its last op (SGLang recomputes at least the last token).
+A string because sglang declares `custom_params` values as scalars, lists of scalars or dicts of scalars ("must
+survive msgpack IPC", `sampling_params.CustomParamValue`): nested lists fail `msgspec` validation under
+`SGLANG_USE_PICKLE_IPC=0`, and a string travels unchanged under both IPC modes. The same JSON may instead follow
+`extra_key = "kvsteward:"` (clients that can set `extra_key` but not `custom_params`). A dict in `custom_params`
+(the pre-0.5.21 form) is still read, under pickle IPC only.
+
+**Compact form: a turn sends only what is new.** A history is identified, message by message, by a chained key
+(`chain_key`): K(0) = `ROOT_KEY`, K(i+1) = H(K(i), the ops at the boundary after message i-1, the tokens of message
+i) — so K(n) names messages[:n] and every op between them (not the ops right after message n-1: those belong to the
+next request). The server remembers the parsed state of every history it served, by its key (`HistoryStore`,
+least recently used out). A request may then send
+
+    {"v": 1, "base": K(n), "n": n, "messages": [[ids of message n], ...], "cache": {ops at boundaries >= n-1}}
+
+and the server continues from the remembered state: the parse costs the new messages and the new ops, not the whole
+conversation (`HistoryStore.resolve`). A base the server does not know (evicted, or a restarted server) makes the
+request a refused one: it is served as plain tokens and counted (`stats["refused"]`, `stats["unknown_base"]`).
+`SglangHistory` is the client side: the full form on a conversation's first request, the compact one after.
+
+`input_ids` must be the *physical* token sequence: the tokens still resident after every op, in row order
+(`SglangRequest.physical_ids`), and the history must end with appended tokens (the generation prompt) after its
+last op (SGLang recomputes at least the last token).
 
 Positions. SGLang computes token i of a request's KV row at position i (`ForwardBatch.init_new`). AKV's ops:
 - `reposition` compacts the survivors to positions 0..r-1 (next position r) — position = row index again;
@@ -22,24 +40,166 @@ Positions. SGLang computes token i of a request's KV row at position i (`Forward
 
 The history becomes token-level elements, the key of the op-aware tree (`kvsteward.serve.sglang.tree`):
 
-    ("tokens", (id, ...))      appended tokens (consecutive messages merged: SGLang keys KV by tokens only)
-    ("drop", (i, ...))         logical token indices that leave attention
-    ("reposition",)            survivors move to positions 0..r-1
+    ("tokens", array('q', [id, ...]))   appended tokens (consecutive messages merged: SGLang keys KV by tokens only)
+    ("drop", (i, ...))                  logical token indices that leave attention
+    ("reposition",)                     survivors move to positions 0..r-1
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kvsteward.serve.engine.ops import OpsError, build_ops, message_ranges, parse_cache
+import torch
+
+from kvsteward.serve.engine.ops import CacheSpec, OpsError, parse_cache
 
 FIELD = "kvsteward"
 EXTRA_KEY_PREFIX = "kvsteward:"
+VERSION = 1
+ROOT_KEY = "kvsteward-v1"
 
 Element = tuple
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _tensor(tokens: array) -> torch.Tensor:
+    return torch.frombuffer(tokens, dtype=torch.int64).clone() if len(tokens) else _EMPTY
+
+
+def _array(t: torch.Tensor) -> array:
+    out = array("q")
+    out.frombytes(t.to(torch.int64).contiguous().numpy().tobytes())
+    return out
+
+
+def _boundary_json(spec: CacheSpec, i: int) -> str:
+    """Canonical text of the ops at the boundary after message i ("" when there are none)."""
+    drop, rep = spec.drop.get(i), i in spec.reposition
+    if drop is None and not rep:
+        return ""
+    return json.dumps([list(drop or ()), rep], separators=(",", ":"))
+
+
+def chain_key(prev: str, boundary_ops: str, tokens: array) -> str:
+    """K(i+1) from K(i): the ops at the boundary right before message i (`_boundary_json`) and its tokens."""
+    h = hashlib.sha256(prev.encode())
+    h.update(b"|" + boundary_ops.encode() + b"|")
+    h.update(tokens.tobytes())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class HistoryState:
+    """The parsed state after messages[:n] (and the ops between them, not those right after message n-1)."""
+
+    key: str
+    n: int
+    starts: array  # logical start of each message, n + 1 entries (the last: logical tokens so far)
+    elements: tuple[Element, ...]
+    logical: torch.Tensor  # the KV row: logical index of each resident token
+    tokens: torch.Tensor  # ... its token id
+    positions: torch.Tensor  # ... its position
+    next_position: int
+    dropped: frozenset[int]  # messages dropped so far
+    drops: tuple[tuple[int, tuple[int, ...]], ...] = ()  # every drop (boundary, messages), for `cache_json`
+    repositions: tuple[int, ...] = ()
+    # per op element: (chained key of the elements up to and including it, elements after it, logical tokens
+    # before it). The tree remembers the op node of each key, so a walk starts at the deepest one it knows.
+    op_chain: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def size(self) -> int:
+        return int(self.starts[-1]) if len(self.starts) else 0
+
+    def cache_json(self) -> dict:
+        """Every op of this history in the full form's `cache` field."""
+        return {"drop": {str(i): list(js) for i, js in self.drops}, "reposition": list(self.repositions)}
+
+    def extend(self, messages: list[array], cache: Any) -> HistoryState:
+        """The state after `messages` appended, with `cache`'s ops (boundaries >= n-1: the new ones only)."""
+        return self.extend_with_penultimate(messages, cache)[0]
+
+    def extend_with_penultimate(self, messages: list[array], cache: Any) -> tuple[HistoryState, HistoryState | None]:
+        """`extend`, and the state before the last new message (and before the ops right ahead of it), or None when
+        only one message is new: what a next turn continues when it rewrites the last message (the generation
+        prompt becomes the whole assistant reply)."""
+        n_total = self.n + len(messages)
+        spec = parse_cache(cache, n_total, first=self.n, dropped=self.dropped)
+        elements = list(self.elements)
+        starts = array("q", self.starts)
+        logical, tokens, positions, next_pos = self.logical, self.tokens, self.positions, self.next_position
+        dropped = set(self.dropped)
+        drops, reps = list(self.drops), list(self.repositions)
+        op_chain = list(self.op_chain)
+        key = self.key
+
+        def add_op(element: Element) -> None:
+            prev = op_chain[-1][0] if op_chain else "ops-v1"
+            h = hashlib.sha256(prev.encode())
+            if elements and elements[-1][0] == "tokens":
+                h.update(b"t" + elements[-1][1].tobytes())
+            h.update(element[0].encode() + (array("q", element[1]).tobytes() if len(element) > 1 else b""))
+            elements.append(element)
+            op_chain.append((h.hexdigest()[:32], len(elements), int(starts[-1])))
+
+        def apply_boundary(i: int) -> None:
+            nonlocal logical, tokens, positions, next_pos
+            if i in spec.drop:
+                gone_msgs = spec.drop[i]
+                gone = tuple(t for j in gone_msgs for t in range(starts[j], starts[j + 1]))
+                add_op(("drop", gone))
+                keep = ~torch.isin(logical, torch.tensor(gone, dtype=torch.int64))
+                logical, tokens, positions = logical[keep], tokens[keep], positions[keep]
+                dropped.update(gone_msgs)
+                drops.append((i, gone_msgs))
+            if i in spec.reposition:
+                if logical.numel() == 0:
+                    raise OpsError(f"reposition after message {i} of an empty cache (everything dropped)", "cache")
+                add_op(("reposition",))
+                positions = torch.arange(logical.numel(), dtype=torch.int64)
+                next_pos = logical.numel()
+                reps.append(i)
+
+        penultimate = None
+        for k, msg in enumerate(messages):
+            i = self.n + k
+            if k == len(messages) - 1 and k > 0:
+                penultimate = HistoryState(key=key, n=i, starts=array("q", starts), elements=tuple(elements),
+                                           logical=logical, tokens=tokens, positions=positions,
+                                           next_position=next_pos, dropped=frozenset(dropped), drops=tuple(drops),
+                                           repositions=tuple(reps), op_chain=tuple(op_chain))
+            if i > 0:
+                apply_boundary(i - 1)
+            if not len(msg):
+                raise OpsError(f"{FIELD}.messages: message {i} is empty", f"{FIELD}.messages")
+            key = chain_key(key, _boundary_json(spec, i - 1) if i > 0 else "", msg)
+            start = starts[-1]
+            if elements and elements[-1][0] == "tokens":
+                elements[-1] = ("tokens", elements[-1][1] + msg)
+            else:
+                elements.append(("tokens", array("q", msg)))
+            new = _tensor(msg)
+            logical = torch.cat([logical, start + torch.arange(len(msg), dtype=torch.int64)])
+            tokens = torch.cat([tokens, new])
+            positions = torch.cat([positions, next_pos + torch.arange(len(msg), dtype=torch.int64)])
+            next_pos += len(msg)
+            starts.append(start + len(msg))
+        if spec.boundaries() and max(spec.boundaries()) >= n_total - 1:
+            raise OpsError("the history must end with appended tokens after its last op (the generation prompt): "
+                           "SGLang recomputes at least the last token of a request", "messages")
+        return HistoryState(key=key, n=n_total, starts=starts, elements=tuple(elements), logical=logical,
+                            tokens=tokens, positions=positions, next_position=next_pos,
+                            dropped=frozenset(dropped), drops=tuple(drops), repositions=tuple(reps),
+                            op_chain=tuple(op_chain)), penultimate
+
+
+ROOT = HistoryState(key=ROOT_KEY, n=0, starts=array("q", [0]), elements=(), logical=_EMPTY, tokens=_EMPTY,
+                    positions=_EMPTY, next_position=0, dropped=frozenset())
 
 
 @dataclass(frozen=True)
@@ -47,10 +207,17 @@ class SglangRequest:
     """A parsed op history: its elements, the physical ids SGLang must be sent, and the state's identity."""
 
     elements: tuple[Element, ...]
-    physical_ids: tuple[int, ...]
+    physical_ids: array
     namespace: str | None  # the extra_key left for SGLang's own namespacing (None when it carried the ops)
-    positions: tuple[int, ...] = ()  # the position of each physical token (AKV semantics)
+    position_tensor: torch.Tensor = _EMPTY  # the position of each physical token (AKV semantics)
     next_position: int = 0  # where the next appended token goes
+    key: str = ROOT_KEY  # the chained key of the whole history (`chain_key`)
+    last_message_len: int = 0  # tokens of the last message (an aux fork's trigger: computed with the adapter)
+    op_chain: tuple[tuple[str, int, int], ...] = ()  # `HistoryState.op_chain`
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(self.position_tensor.tolist())
 
     @property
     def position_offset(self) -> int:
@@ -65,109 +232,232 @@ class SglangRequest:
                           separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
+    @classmethod
+    def of(cls, state: HistoryState, namespace: str | None) -> SglangRequest:
+        if not state.elements or state.elements[-1][0] != "tokens":
+            raise OpsError("the history must end with appended tokens after its last op (the generation prompt)",
+                           "messages")
+        return cls(elements=state.elements, physical_ids=_array(state.tokens), namespace=namespace,
+                   position_tensor=state.positions, next_position=state.next_position, key=state.key,
+                   last_message_len=int(state.starts[-1] - state.starts[-2]), op_chain=state.op_chain)
 
-def _token_list(x: Any, where: str) -> tuple[int, ...]:
+
+class HistoryStore:
+    """Parsed histories by chained key, least recently used out beyond `max_entries` or `max_tokens` (their
+    logical tokens, all entries together). What lets a request send only its new messages."""
+
+    def __init__(self, max_entries: int = 1024, max_tokens: int = 2_000_000):
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self._states: OrderedDict[str, HistoryState] = OrderedDict()
+        self._tokens = 0
+        self.stats = {"hits": 0, "misses": 0, "evicted": 0}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._states
+
+    def get(self, key: str) -> HistoryState | None:
+        state = self._states.get(key)
+        if state is not None:
+            self._states.move_to_end(key)
+        return state
+
+    def put(self, state: HistoryState) -> None:
+        if state.key in self._states:
+            self._states.move_to_end(state.key)
+            return
+        self._states[state.key] = state
+        self._tokens += state.size
+        while len(self._states) > self.max_entries or (self._tokens > self.max_tokens and len(self._states) > 1):
+            _, old = self._states.popitem(last=False)
+            self._tokens -= old.size
+            self.stats["evicted"] += 1
+
+    def resolve(self, spec: dict) -> HistoryState:
+        """The state a (full or compact) spec names: its base state extended by its messages and ops."""
+        base_key = spec.get("base")
+        if base_key is None:
+            base = ROOT
+        else:
+            base = self.get(base_key)
+            if base is None:
+                self.stats["misses"] += 1
+                raise OpsError(f"{FIELD}.base {base_key!r} is not a history this server remembers (evicted, or the "
+                               "server restarted): send the full history", f"{FIELD}.base")
+            self.stats["hits"] += 1
+            if spec.get("n") != base.n:
+                raise OpsError(f"{FIELD}.n = {spec.get('n')!r} but base {base_key!r} holds {base.n} messages",
+                               f"{FIELD}.n")
+        messages = [_token_array(m, f"{FIELD}.messages[{i}]") for i, m in enumerate(spec["messages"])]
+        state, penultimate = base.extend_with_penultimate(messages, spec.get("cache"))
+        if penultimate is not None:  # a next turn may rewrite the last message (generation prompt -> reply)
+            self.put(penultimate)
+        self.put(state)
+        return state
+
+
+def _token_array(x: Any, where: str) -> array:
     if not isinstance(x, list) or not x:
         raise OpsError(f"{where} must be a non-empty list of token ids", where)
-    for t in x:
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+    for t in x:  # new messages only: a continued history is not re-checked
+        if type(t) is not int or t < 0:
             raise OpsError(f"{where} holds {t!r}, not a token id (integer >= 0)", where)
-    return tuple(x)
+    return array("q", x)
 
 
-def elements_from_messages(messages: list[tuple[int, ...]], cache: Any) -> tuple[Element, ...]:
-    """Token-level elements of the message grammar: serve/engine/ops.py's `build_ops`, with drops of messages turned
-    into drops of their logical tokens and consecutive appends merged."""
-    spec = parse_cache(cache, len(messages))
-    ranges = message_ranges([list(m) for m in messages])
-    out: list[Element] = []
-    for op in build_ops([list(m) for m in messages], ["message"] * len(messages), spec):
-        if op[0] == "append":
-            if out and out[-1][0] == "tokens":
-                out[-1] = ("tokens", out[-1][1] + tuple(op[2]))
-            else:
-                out.append(("tokens", tuple(op[2])))
-        elif op[0] == "drop":
-            out.append(("drop", tuple(t for j in op[1] for t in range(*ranges[j]))))
-        else:
-            out.append(("reposition",))
-    return tuple(out)
-
-
-def layout(elements: tuple[Element, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """(physical ids, their positions, next position) after all elements, with AKV's position rules: appended
-    tokens take the next positions; a drop keeps every survivor's position and the next position; a reposition moves
-    survivors to 0..r-1 and the next position to r. Refuses histories SGLang cannot serve."""
-    row: list[tuple[int, int, int]] = []  # (logical index, token, position)
-    n_logical = 0
-    next_pos = 0
-    for k, e in enumerate(elements):
-        if e[0] == "tokens":
-            row.extend((n_logical + i, t, next_pos + i) for i, t in enumerate(e[1]))
-            n_logical += len(e[1])
-            next_pos += len(e[1])
-        elif e[0] == "drop":
-            gone = set(e[1])
-            row = [x for x in row if x[0] not in gone]
-        elif e[0] == "reposition":
-            if not row:
-                raise OpsError(f"element {k}: reposition of an empty cache (everything dropped)", "cache")
-            row = [(lg, t, i) for i, (lg, t, _) in enumerate(row)]
-            next_pos = len(row)
-        else:
-            raise OpsError(f"element {k}: unknown op {e[0]!r}", "cache")
-    if not elements or elements[-1][0] != "tokens":
-        raise OpsError("the history must end with appended tokens after its last op (the generation prompt): "
-                       "SGLang recomputes at least the last token of a request", "messages")
-    return tuple(t for _, t, _ in row), tuple(p for _, _, p in row), next_pos
-
-
-def physical_ids(elements: tuple[Element, ...]) -> tuple[int, ...]:
-    """Resident tokens in row order after all elements; refuses histories SGLang cannot serve."""
-    return layout(elements)[0]
-
-
-def parse_spec(spec: Any, namespace: str | None) -> SglangRequest:
+def _check_spec(spec: Any) -> dict:
     if not isinstance(spec, dict):
         raise OpsError(f"{FIELD} must be an object {{'messages': [[ids], ...], 'cache': {{...}}}}", FIELD)
-    unknown = set(spec) - {"messages", "cache"}
+    unknown = set(spec) - {"v", "messages", "cache", "base", "n"}
     if unknown:
-        raise OpsError(f"{FIELD} has unknown field(s) {sorted(unknown)}: only 'messages' and 'cache'", FIELD)
+        raise OpsError(f"{FIELD} has unknown field(s) {sorted(unknown)}: only 'v', 'messages', 'cache', 'base', "
+                       "'n'", FIELD)
+    if spec.get("v", VERSION) != VERSION:
+        raise OpsError(f"{FIELD}.v = {spec.get('v')!r}: this plugin reads version {VERSION}", f"{FIELD}.v")
     raw = spec.get("messages")
     if not isinstance(raw, list) or not raw:
         raise OpsError(f"{FIELD}.messages must be a non-empty list of token-id lists", f"{FIELD}.messages")
-    messages = [_token_list(m, f"{FIELD}.messages[{i}]") for i, m in enumerate(raw)]
-    elements = elements_from_messages(messages, spec.get("cache"))
-    ids, positions, next_position = layout(elements)
-    return SglangRequest(elements=elements, physical_ids=ids, namespace=namespace, positions=positions,
-                         next_position=next_position)
+    if ("base" in spec) != ("n" in spec):
+        raise OpsError(f"{FIELD}: 'base' and 'n' go together (the key and length of the history continued)", FIELD)
+    return spec
 
 
-def parse_request(custom_params: Any, extra_key: str | None) -> SglangRequest | None:
+def decode_spec(value: Any) -> dict:
+    """The spec object of a `custom_params["kvsteward"]` value (a JSON string, or a dict under pickle IPC)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise OpsError(f"{FIELD} is not JSON: {e}", FIELD) from e
+    return _check_spec(value)
+
+
+def parse_spec(spec: Any, namespace: str | None, store: HistoryStore | None = None) -> SglangRequest:
+    spec = decode_spec(spec)
+    if store is None:
+        if "base" in spec:
+            raise OpsError(f"{FIELD}.base needs the server's history store", f"{FIELD}.base")
+        store = HistoryStore(max_entries=1)
+    return SglangRequest.of(store.resolve(spec), namespace)
+
+
+def split_extra_key(extra_key: str | None, lora_id: str | None) -> str | None:
+    """The client's `extra_key`: sglang appends a LoRA request's adapter id to it (`Req.__init__`)."""
+    if lora_id and isinstance(extra_key, str) and extra_key.endswith(lora_id):
+        extra_key = extra_key[: len(extra_key) - len(lora_id)] or None
+    return extra_key
+
+
+def parse_request(custom_params: Any, extra_key: str | None, store: HistoryStore | None = None,
+                  lora_id: str | None = None) -> SglangRequest | None:
     """The op history of a request, from `custom_params["kvsteward"]` or a `kvsteward:`-prefixed `extra_key`;
     None when it carries none (the request is a plain token request). Raises OpsError on a malformed history."""
     spec = custom_params.get(FIELD) if isinstance(custom_params, dict) else None
-    namespace = extra_key
-    if isinstance(extra_key, str) and extra_key.startswith(EXTRA_KEY_PREFIX):
-        namespace = None  # the extra_key was only the carrier: sharing must not be split by it
+    namespace = split_extra_key(extra_key, lora_id)
+    if isinstance(namespace, str) and namespace.startswith(EXTRA_KEY_PREFIX):
         if spec is None:
-            try:
-                spec = json.loads(extra_key[len(EXTRA_KEY_PREFIX):])
-            except json.JSONDecodeError as e:
-                raise OpsError(f"extra_key after {EXTRA_KEY_PREFIX!r} is not JSON: {e}", "extra_key") from e
+            spec = namespace[len(EXTRA_KEY_PREFIX):]
+        namespace = None  # the extra_key was only the carrier: sharing must not be split by it
     if spec is None:
         return None
-    return parse_spec(spec, namespace)
+    return parse_spec(spec, namespace, store)
 
 
-def request_fields(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params") -> dict:
+def _spec_text(spec: dict) -> str:
+    return json.dumps(spec, separators=(",", ":"))
+
+
+def request_fields(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
+                   base: HistoryState | None = None) -> dict:
     """The `/generate` fields for a conversation (message token ids) and its cache ops: `input_ids` (physical) plus
-    the history in `sampling_params.custom_params` (via="custom_params") or in `extra_key` (via="extra_key")."""
-    spec = {"messages": [list(m) for m in messages], "cache": cache or {}}
-    parsed = parse_spec(spec, None)
+    the history as a JSON string in `sampling_params.custom_params` (via="custom_params") or in `extra_key`
+    (via="extra_key"). With `base` (the state of messages[:base.n], as the server remembers it), only the new
+    messages and the ops at boundaries >= base.n - 1 are sent (the compact form)."""
+    return build_request(messages, cache, via, base)[0]
+
+
+def build_request(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
+                  base: HistoryState | None = None) -> tuple[dict, HistoryState, HistoryState | None]:
+    """`request_fields`, the state the server will remember for the request (its `key` names it) and the one
+    before its last message (remembered too, when the request sends more than one message)."""
+    if via not in ("custom_params", "extra_key"):
+        raise ValueError(f"via must be 'custom_params' or 'extra_key', got {via!r}")
+    state, penultimate, spec = _resolve_local(messages, cache, base)
+    text = _spec_text(spec)
+    ids = list(_array(state.tokens))
     if via == "custom_params":
-        return {"input_ids": list(parsed.physical_ids), "sampling_params": {"custom_params": {FIELD: spec}}}
-    if via == "extra_key":
-        return {"input_ids": list(parsed.physical_ids),
-                "extra_key": EXTRA_KEY_PREFIX + json.dumps(spec, separators=(",", ":"))}
-    raise ValueError(f"via must be 'custom_params' or 'extra_key', got {via!r}")
+        body = {"input_ids": ids, "sampling_params": {"custom_params": {FIELD: text}}}
+    else:
+        body = {"input_ids": ids, "extra_key": EXTRA_KEY_PREFIX + text}
+    return body, state, penultimate
+
+
+def _new_ops(cache: dict | None, first: int) -> dict:
+    """The ops of `cache` at boundaries >= first - 1 (what a compact request continuing messages[:first] sends)."""
+    cache = cache or {}
+    lowest = max(0, first - 1)
+    return {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) >= lowest},
+            "reposition": [i for i in (cache.get("reposition") or []) if int(i) >= lowest]}
+
+
+def _resolve_local(messages: list[list[int]], cache: dict | None,
+                   base: HistoryState | None) -> tuple[HistoryState, HistoryState | None, dict]:
+    if base is None or base.n == 0:
+        spec = {"v": VERSION, "messages": [list(m) for m in messages], "cache": cache or {}}
+        state, penultimate = ROOT.extend_with_penultimate([array("q", m) for m in messages], cache)
+        return state, penultimate, spec
+    new = messages[base.n:]
+    if not new:
+        raise OpsError("a compact request needs at least one new message after its base", f"{FIELD}.messages")
+    ops = _new_ops(cache, base.n)
+    spec = {"v": VERSION, "base": base.key, "n": base.n, "messages": [list(m) for m in new], "cache": ops}
+    state, penultimate = base.extend_with_penultimate([array("q", m) for m in new], ops)
+    return state, penultimate, spec
+
+
+class SglangHistory:
+    """A client's side of one conversation on an SGLang server with the kvsteward backend: builds each request's
+    fields, in the compact form once the server has seen the history it continues.
+
+    `fields(messages, cache)`: `messages` is the whole conversation so far (token ids per message; the last one ends
+    with the generation prompt, or is it), `cache` every op so far (the grammar above). The base is the longest
+    history the server remembers from this client's previous request — all its messages, or all but the last (a
+    turn rewrites the generation prompt into the whole reply) — whose messages and inner ops this request repeats;
+    only the rest is sent. Otherwise the full form. `fork_fields` builds a request off the same base (the aux
+    manager's fork) without changing what the next main request continues. `reset()` after a server restart."""
+
+    def __init__(self, via: str = "custom_params"):
+        self.via = via
+        self._known: list[HistoryState] = []  # what the server remembers from the last main request
+
+    def fields(self, messages: list[list[int]], cache: dict | None = None, full: bool = False) -> dict:
+        body, state, penultimate = self._build(messages, cache, full)
+        self._known = [s for s in (state, penultimate) if s is not None]
+        return body
+
+    def fork_fields(self, messages: list[list[int]], cache: dict | None = None) -> dict:
+        return self._build(messages, cache, False)[0]
+
+    def reset(self) -> None:
+        """Forget what was sent (a server restart): the next request goes in full."""
+        self._known = []
+
+    def _build(self, messages, cache, full):
+        base = None if full else self._base(messages, cache or {})
+        return build_request(messages, cache, via=self.via, base=base)
+
+    def _base(self, messages: list[list[int]], cache: dict) -> HistoryState | None:
+        known = [s for s in self._known if 0 < s.n < len(messages)]
+        if not known:
+            return None
+        spec = parse_cache(cache, len(messages))
+        key, keys = ROOT_KEY, {}
+        for i in range(max(s.n for s in known)):
+            key = chain_key(key, _boundary_json(spec, i - 1) if i > 0 else "", array("q", messages[i]))
+            keys[i + 1] = key
+        for s in sorted(known, key=lambda s: -s.n):
+            if keys.get(s.n) == s.key:
+                return s
+        return None

@@ -1,4 +1,4 @@
-"""The per-request position offset in SGLang's forward batch: what makes a plain `drop` exact (sglang==0.5.19).
+"""The per-request position offset in SGLang's forward batch: what makes a plain `drop` exact (sglang==0.5.21).
 
 SGLang builds the positions of every forward in `ForwardBatch.init_new` (model_executor/forward_batch_info.py):
 
@@ -67,7 +67,7 @@ def offset_positions(original, cls, batch, model_runner, *args, **kwargs):
                            "decoding or dLLM")
     if getattr(model_runner.model_config, "model_is_mrope", False):
         raise RuntimeError("kvsteward: position offsets (drop without reposition) do not support M-RoPE models")
-    if getattr(getattr(model_runner, "ps", None), "attn_dcp_size", 1) > 1:
+    if (getattr(model_runner, "attn_dcp_size", 1) or 1) > 1:
         raise RuntimeError("kvsteward: position offsets (drop without reposition) do not support decode context "
                            "parallelism")
     delta = token_offsets(ret, batch, offsets)

@@ -30,6 +30,7 @@ import heapq
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from kvsteward.kernels.rope import RopeSpec
 from kvsteward.serve.engine.ops import OpsError
-from kvsteward.serve.sglang.ops import SglangRequest, parse_request
+from kvsteward.serve.sglang.ops import HistoryStore, SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
 from kvsteward.serve.sglang.positions import OFFSET_ATTR
 
@@ -76,6 +77,7 @@ class _Walk:
     namespace: str | None
     row: list[torch.Tensor] = field(default_factory=list)
     exact: bool = True
+    fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
 
     @property
     def anchor_len(self) -> int:
@@ -99,19 +101,30 @@ class OpRadixCache(RadixCache):
         self.pool = self.token_to_kv_pool_allocator.get_kvcache() if self.token_to_kv_pool_allocator else None
         if self.pool is not None and rope is not None:
             check_pool(self.pool)
-        self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0}
-        self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is cached
+        self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
+                      "unknown_base": 0}
+        self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is released
+        self.histories = HistoryStore()  # parsed histories by chained key: a turn sends only what is new
+        # op nodes by (namespace, cache salt, chained key of the elements up to the op): a walk starts at the
+        # deepest one the tree still holds, so its cost does not grow with the ops before it
+        self._anchors: OrderedDict[tuple, OpNode] = OrderedDict()
+        self.max_anchors = 65536
 
     # -- request -> history ------------------------------------------------------------------------------------------
     def _history(self, params: MatchPrefixParams) -> SglangRequest | None:
         req = params.req
         custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) if req is not None else None
         try:
-            return parse_request(custom, params.key.extra_key)
+            return parse_request(custom, params.key.extra_key, self.histories, lora_id=self._lora_id(req))
         except OpsError as e:  # a malformed history: serve the tokens as sent, never under an op path
             self.stats["refused"] += 1
+            self.stats["unknown_base"] += e.param == "kvsteward.base"
             logger.warning("kvsteward: op history refused, serving as plain tokens: %s", e)
             return None
+
+    @staticmethod
+    def _lora_id(req: Any) -> str | None:
+        return getattr(req, "lora_id", None) if req is not None else None
 
     # -- match -------------------------------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -128,11 +141,24 @@ class OpRadixCache(RadixCache):
             return super().match_prefix(params)
         tokens = params.key.token_ids
         phys = hist.physical_ids
-        if tuple(tokens[: len(phys)]) != phys:
+        if array("q", tokens[: len(phys)]) != phys:
             self.stats["refused"] += 1
             logger.warning("kvsteward: input_ids are not the history's physical tokens; serving as plain tokens")
             return super().match_prefix(params)
-        walk = self.walk(hist, params.key, limit=len(params.key))
+        fork = self._lora_id(params.req) is not None
+        # a fork reads the main's state only: its last message (the trigger) is computed with the adapter, even where
+        # the tree holds the same tokens (e.g. the `<|im_start|>` the main's reply also starts with)
+        limit = min(len(params.key), len(phys) - hist.last_message_len) if fork else len(params.key)
+        walk = self.walk(hist, params.key, limit=limit)
+        walk.fork = fork
+        if walk.fork and not walk.exact:
+            # the prefix the manager reads must be the base model's state; it is not cached, and a LoRA request
+            # would compute it with the adapter on: served as sglang serves any LoRA request (its own namespace)
+            self.stats["refused"] += 1
+            logger.warning("kvsteward: an aux fork (LoRA request) whose base state is not cached: served as a plain "
+                           "LoRA request (the prefix computed with the adapter, not shared)")
+            return super().match_prefix(params)
+        self.stats["forks"] += walk.fork
         if not walk.exact:
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
@@ -158,13 +184,23 @@ class OpRadixCache(RadixCache):
         walk = _Walk(anchor=self.root_node, node=self.root_node, namespace=hist.namespace)
         tokens = key.token_ids
         tail_start = len(hist.physical_ids) - len(hist.elements[-1][1])
-        n_logical = 0
-        for k, e in enumerate(hist.elements):
+        n_logical, first = 0, 0
+        op_keys = {idx - 1: chain for chain, idx, _ in hist.op_chain}  # element index of an op -> its chained key
+        for chain, idx, logical in reversed(hist.op_chain):  # the deepest op node the tree still holds
+            node = self._anchors.get((hist.namespace, key.cache_salt, chain))
+            if node is not None and self._attached(node):
+                self._anchors.move_to_end((hist.namespace, key.cache_salt, chain))
+                walk.anchor = walk.node = node
+                walk.row = [node.kv_row]
+                n_logical, first = logical, idx
+                break
+        for k in range(first, len(hist.elements)):
+            e = hist.elements[k]
             if e[0] == "tokens":
                 if k == len(hist.elements) - 1:  # physical: the row SGLang gets is capped at `limit`
                     seg = tokens[tail_start:][: max(limit - sum(r.numel() for r in walk.row), 0)]
                 else:  # logical tokens before an op: the whole segment must be cached for the op to apply
-                    seg = array("q", e[1])
+                    seg = e[1]
                 seg_key = RadixKey(seg, hist.namespace, cache_salt=key.cache_salt)
                 values, walk.node = self._match_prefix_helper(walk.node, seg_key) if len(seg_key) else ([], walk.node)
                 matched = sum(v.numel() for v in values)
@@ -182,6 +218,8 @@ class OpRadixCache(RadixCache):
                         return walk
                 walk.node = walk.anchor = child
                 walk.row = [child.kv_row]
+                if k in op_keys:
+                    self._remember((hist.namespace, key.cache_salt, op_keys[k]), child)
         # only the final state's row is the request's prefix (an earlier op state may be longer than the request:
         # drops after it shrink the row)
         if walk.anchor_len > limit:
@@ -251,9 +289,25 @@ class OpRadixCache(RadixCache):
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
 
+    def _attached(self, node: OpNode) -> bool:
+        """Whether `node` is still in the tree (an evicted op node is popped from its parent; its ancestors stay
+        while it does: eviction frees leaves only)."""
+        return node.parent is not None and node.parent.children.get(node.op_key) is node
+
+    def _remember(self, key: tuple, node: OpNode) -> None:
+        if self._anchors.get(key) is not node:
+            self._anchors[key] = node
+            node.anchor_keys = getattr(node, "anchor_keys", ()) + (key,)
+        self._anchors.move_to_end(key)
+        while len(self._anchors) > self.max_anchors:
+            self._anchors.popitem(last=False)
+
     def _delete_leaf(self, node):
         if not isinstance(node, OpNode):
             return super()._delete_leaf(node)
+        for key in getattr(node, "anchor_keys", ()):
+            if self._anchors.get(key) is node:
+                del self._anchors[key]
         removed = node.parent.children.pop(node.op_key, None)
         assert removed is node, f"parent does not hold op node {node.op_key}"
         self.evictable_size_ -= len(node.key)
@@ -292,25 +346,37 @@ class OpRadixCache(RadixCache):
         prefix_len, node = self._insert_helper(walk.anchor, key, values, getattr(req, "priority", 0) or 0, chunked)
         return off + prefix_len, node
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
-        walk = self._walks.pop(id(req), None)
+    def insert_req(self, req: Any, *, up_to: int):
+        """sglang 0.5.21's finish path (`mem_cache.common.release_kv_cache`): hand the request's KV up to row position
+        `up_to` to the tree and advance `cache_protected_len` past it; the caller then frees the row from
+        `cache_protected_len` on, unpins (`dec_lock_ref(req.last_node)`) and calls `on_release`. Under an op path the
+        tail goes below the request's last op node (its anchor), never under plain token keys from the root."""
+        walk = self._walks.get(id(req))
         if walk is None or self.disable:
-            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
-        if self.disable_finished_insert:
-            is_insert = False
-        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+            return super().insert_req(req, up_to=up_to)
+        if walk.fork:  # the fork's own tokens were computed with the adapter: the caller frees them
+            return
+        token_ids = (req.origin_input_ids + req.output_ids)[:up_to]
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        freed_end = self._insert_tail(req, walk, token_ids, kv_indices)[0] if is_insert else len(token_ids)
+        freed_end = self._insert_tail(req, walk, token_ids, kv_indices)[0]
         protected = req.kv.cache_protected_len
         # the new slots of tokens the tree already held are duplicates; the tree owns everything else now
         self.token_to_kv_pool_allocator.free_segment(kv_indices[protected:freed_end], start_pos=protected)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+        req.kv.cache_protected_len = len(token_ids)
+
+    def on_release(self, req: Any, *, inserted: bool) -> None:
+        self._walks.pop(id(req), None)
+        super().on_release(req, inserted=inserted)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False):
         walk = self._walks.get(id(req))
         if walk is None or self.disable:
             return super().cache_unfinished_req(req, chunked=chunked)
+        if walk.fork:  # as sglang's ChunkCache: the request keeps its own row, nothing enters the tree
+            n = len(req.get_fill_ids())
+            req.prefix_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64,
+                                                                                                copy=True)
+            return
         token_ids = req.get_fill_ids()
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
         new_end, new_last = self._insert_tail(req, walk, token_ids, kv_indices, chunked=chunked)

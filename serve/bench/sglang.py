@@ -1,0 +1,400 @@
+"""`steward bench sglang`: SGLang + kvsteward against SGLang's default radix cache, same requests, same run.
+
+The workload is agent-like (`AgentSession`): concurrent sessions, each a system prompt and a task, then turns of one
+tool response and a generated reply; after every reply, tool responses older than the last `keep` are dropped —
+AKV's rolling rule — and every `reposition_every`-th drop also repositions. Both servers get the *same* token
+stream per turn (`input_ids` = the physical tokens, the survivors):
+
+- **default**: sglang's own radix cache. It keys KV by tokens only, so after a drop the request's prefix diverges at
+  the first dropped message and everything after it is prefilled again (what AKV's baseline does).
+- **kvsteward**: the same `input_ids`, plus the op history (compact form: `SglangHistory`); the tree applies the drop
+  to the cached state (a drop node; a reposition re-rotates K into new slots) and prefills only the new messages.
+
+A second, op-free pass of the same sessions (no drops, no kvsteward field) measures what the plugin costs requests
+that carry no ops: `no_op_overhead` = mean request latency on the kvsteward server / on the default one.
+
+Per pass: requests/s, output tokens/s, p50/p95 request latency, cached-token ratio (sglang's `cached_tokens` /
+`prompt_tokens`, summed), prompt tokens computed, and peak KV tokens in use (`/v1/loads`, polled). One server at a
+time: the default one first, then the kvsteward one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class AgentSession:
+    """One agent conversation as message token ids. `make(kind, k)` gives the ids of the k-th message of a kind:
+    "system", "task", "tool", "prompt" (the generation prompt that opens a reply). The last message of every
+    request is the prompt; `reply(ids)` turns it into the whole assistant message (prompt + generated tokens, plus
+    `closing` — what the chat template puts after a reply)."""
+
+    make: Callable[[str, int], list[int]]
+    keep: int = 2
+    reposition_every: int = 2
+    ops: bool = True
+    closing: list[int] = field(default_factory=list)
+    messages: list[list[int]] = field(default_factory=list)
+    cache: dict = field(default_factory=lambda: {"drop": {}, "reposition": []})
+    tools: list[int] = field(default_factory=list)
+    turn: int = 0
+    drops: int = 0
+
+    def request(self) -> tuple[list[list[int]], dict]:
+        """The next turn's messages and cache ops (the rolling drop after the previous reply, then a tool response
+        and the prompt)."""
+        if not self.messages:
+            self.messages = [self.make("system", 0), self.make("task", 0)]
+        elif self.ops and len(self.tools) > self.keep:
+            gone, self.tools = self.tools[: -self.keep], self.tools[-self.keep:]
+            boundary = len(self.messages) - 1  # right after the previous reply
+            self.cache["drop"][str(boundary)] = gone
+            self.drops += 1
+            if self.reposition_every and self.drops % self.reposition_every == 0:
+                self.cache["reposition"].append(boundary)
+        self.tools.append(len(self.messages))
+        self.messages += [self.make("tool", self.turn), self.make("prompt", self.turn)]
+        self.turn += 1
+        return [list(m) for m in self.messages], {"drop": dict(self.cache["drop"]),
+                                                  "reposition": list(self.cache["reposition"])}
+
+    def reply(self, output_ids: list[int]) -> None:
+        self.messages[-1] = self.messages[-1] + list(output_ids) + list(self.closing)
+
+    def drops_next(self) -> bool:
+        """Whether the next request drops right after the reply just appended: then the state through that reply
+        must be in the server's tree first (`seal`)."""
+        return bool(self.messages) and self.ops and len(self.tools) > self.keep
+
+    def seal(self) -> tuple[list[list[int]], dict]:
+        """The history so far (ending with the reply), for a 1-token request that computes and caches the reply's
+        last tokens: sglang caches a finished request's KV up to its last *computed* token, i.e. without the last
+        generated token (and the template's closing tokens, never generated), and an op can only follow a state the
+        tree holds whole (an op after an uncached state is served by re-prefilling the survivors, which is not the
+        engine's state). The next request's compact base is this history."""
+        return [list(m) for m in self.messages], {"drop": dict(self.cache["drop"]),
+                                                  "reposition": list(self.cache["reposition"])}
+
+
+def token_maker(tokenizer, seed: int, tool_words: int = 60):
+    """`AgentSession.make` from a chat template: a system prompt, a task, tool responses tagged `[cursor N]` with
+    `tool_words` words of synthetic output, and the assistant generation prompt."""
+    import random
+
+    from kvsteward.synth.chat import generation_prompt, message_token_ids
+
+    rng = random.Random(seed)
+    words = ["ticket", "order", "status", "owner", "printer", "shipped", "refund", "team", "queue", "error", "log",
+             "service", "region", "pending", "closed", "priority", "customer", "invoice", "note", "update"]
+    counter = {"n": 2}
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    def make(kind: str, k: int) -> list[int]:
+        if kind == "system":
+            m = {"role": "system", "content": "You are a support agent. Use the tools; answer briefly."}
+        elif kind == "task":
+            m = {"role": "user", "content": f"Session {seed}: find who owns ticket {rng.randint(1, 999)}. {text(12)}"}
+        elif kind == "tool":
+            m = {"role": "tool", "content": f"[cursor {counter['n']}] {text(tool_words)}"}
+            counter["n"] += 2
+        else:
+            return tokenizer.encode(generation_prompt(tokenizer, [{"role": "user", "content": "x"}]),
+                                    add_special_tokens=False)
+        if kind == "system":
+            return message_token_ids(tokenizer, [m])[0]
+        # a message piece as the template writes it mid-conversation (after a first message)
+        return message_token_ids(tokenizer, [{"role": "system", "content": "s"}, m])[1]
+
+    closing = tokenizer.encode("<|im_end|>\n", add_special_tokens=False) if "<|im_end|>" in tokenizer.get_vocab() \
+        else []
+    return make, closing
+
+
+@dataclass
+class Pass:
+    latencies: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    wall_s: float = 0.0
+    peak_kv_tokens: int = 0
+    seals: int = 0  # 1-token requests that cached a reply's last tokens before a drop (timed with their turn)
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies)
+
+        def pct(p: float) -> float:
+            return lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))] if lat else 0.0
+
+        return {"requests": len(lat), "requests_per_s": len(lat) / self.wall_s if self.wall_s else 0.0,
+                "output_tokens_per_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
+                "latency_p50_s": pct(0.5), "latency_p95_s": pct(0.95),
+                "latency_mean_s": statistics.fmean(lat) if lat else 0.0,
+                "cached_token_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "prompt_tokens": self.prompt_tokens, "prompt_tokens_computed": self.prompt_tokens - self.cached_tokens,
+                "output_tokens": self.output_tokens, "peak_kv_tokens": self.peak_kv_tokens, "wall_s": self.wall_s,
+                "seal_requests": self.seals}
+
+
+def _poll_kv(url: str, stop: threading.Event, out: Pass) -> None:
+    import requests
+
+    while not stop.is_set():
+        try:
+            loads = requests.get(f"{url}/v1/loads", params={"include": "core,memory"}, timeout=5).json()["loads"]
+            used = sum(int(_find(x, "num_used_tokens") or 0) for x in loads)
+            out.peak_kv_tokens = max(out.peak_kv_tokens, used)
+        except Exception:  # noqa: BLE001 (a missed sample is not an error of the run)
+            pass
+        stop.wait(0.25)
+
+
+def _find(d, key):
+    if isinstance(d, dict):
+        if key in d:
+            return d[key]
+        for v in d.values():
+            found = _find(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def run_pass(url: str, sessions: list[AgentSession], turns: int, max_new_tokens: int, kvsteward: bool,
+             progress: Progress | None = None) -> Pass:
+    """Play every session's `turns` turns concurrently (one thread per session, turns in order); requests carry
+    the op history (compact form) when `kvsteward` and the sessions have ops."""
+    import requests
+
+    from kvsteward.serve.sglang.ops import SglangHistory, request_fields
+
+    result, lock = Pass(), threading.Lock()
+    stop = threading.Event()
+    poller = threading.Thread(target=_poll_kv, args=(url, stop, result), daemon=True)
+    errors: list[BaseException] = []
+
+    def play(s: AgentSession) -> None:
+        history = SglangHistory()
+        try:
+            for _ in range(turns):
+                t0 = time.perf_counter()
+                sealed = 0
+                if kvsteward and s.drops_next():  # the state the drop follows must be cached whole
+                    seal = history.fields(*s.seal())
+                    seal["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+                    requests.post(f"{url}/generate", json=seal, timeout=1800).raise_for_status()
+                    sealed = 1
+                messages, cache = s.request()
+                if kvsteward:
+                    body = history.fields(messages, cache if s.ops else None)
+                else:  # the same physical tokens, no op history
+                    body = {"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]}
+                body.setdefault("sampling_params", {}).update(
+                    {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True})
+                r = requests.post(f"{url}/generate", json=body, timeout=1800)
+                r.raise_for_status()
+                out = r.json()
+                dt = time.perf_counter() - t0
+                s.reply(out["output_ids"])
+                meta = out["meta_info"]
+                with lock:
+                    result.seals += sealed
+                    result.latencies.append(dt)
+                    result.output_tokens += len(out["output_ids"])
+                    result.prompt_tokens += int(meta.get("prompt_tokens", len(body["input_ids"])))
+                    result.cached_tokens += int(meta.get("cached_tokens", 0))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            errors.append(e)
+
+    poller.start()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=play, args=(s,)) for s in sessions]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    result.wall_s = time.perf_counter() - t0
+    stop.set()
+    poller.join(timeout=5)
+    if errors:
+        raise errors[0]
+    if progress:
+        progress(f"{'kvsteward' if kvsteward else 'default'} pass: {len(result.latencies)} requests in "
+                 f"{result.wall_s:.1f} s")
+    return result
+
+
+def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8, max_new_tokens: int = 16,
+                 keep: int = 2, reposition_every: int = 2, tool_words: int = 60, max_total_tokens: int = 16384,
+                 dtype: str = "float32", port: int | None = None, threads: int = 2,
+                 progress: Progress | None = None, log_dir: str | None = None) -> dict:
+    """The benchmark's JSON: {"default": {...}, "kvsteward": {...}, "no_op_overhead": float, ...}."""
+    from pathlib import Path
+
+    from kvsteward.serve.server.testing import free_port
+    from kvsteward.serve.sglang.launch import SglangServer, server_command
+
+    port = port or free_port()
+
+    def sessions(ops: bool) -> list[AgentSession]:
+        out = []
+        for k in range(concurrency):
+            make, closing = token_maker(tokenizer, seed=k, tool_words=tool_words)
+            out.append(AgentSession(make, keep=keep, reposition_every=reposition_every, ops=ops, closing=closing))
+        return out
+
+    passes: dict[str, dict] = {}
+    for name, kv in (("default", False), ("kvsteward", True)):
+        cmd = server_command(model_dir, port, kvsteward=kv, dtype=dtype, max_total_tokens=max_total_tokens,
+                             max_running_requests=max(8, concurrency))
+        log = Path(log_dir) / f"sglang-{name}.log" if log_dir else None
+        with SglangServer(cmd, port, log=log, threads=threads) as url:
+            if progress:
+                progress(f"{name} server up")
+            run_pass(url, sessions(True)[:1], 1, 1, kv)  # warm-up: first-request costs out of the timing
+            passes[name] = run_pass(url, sessions(True), turns, max_new_tokens, kv, progress).summary()
+            passes[f"{name}_no_ops"] = run_pass(url, sessions(False), turns, max_new_tokens, kv, progress).summary()
+    d, k = passes["default"], passes["kvsteward"]
+    return {
+        "default": d, "kvsteward": k,
+        "no_op_overhead": passes["kvsteward_no_ops"]["latency_mean_s"] / passes["default_no_ops"]["latency_mean_s"],
+        "no_ops": {"default": passes["default_no_ops"], "kvsteward": passes["kvsteward_no_ops"]},
+        "speedup": {"output_tokens_per_s": k["output_tokens_per_s"] / d["output_tokens_per_s"],
+                    "latency_p95": d["latency_p95_s"] / k["latency_p95_s"] if k["latency_p95_s"] else 0.0},
+        "workload": {"model": model_dir, "concurrency": concurrency, "turns": turns,
+                     "max_new_tokens": max_new_tokens, "keep_tool_responses": keep,
+                     "reposition_every_nth_drop": reposition_every, "tool_words": tool_words, "dtype": dtype,
+                     "max_total_tokens": max_total_tokens, "server_threads": threads},
+    }
+
+
+def match_prefix_scaling(message_counts: tuple[int, ...] = (8, 32, 128), message_len: int = 32, keep: int = 2,
+                         repeats: int = 20, progress: Progress | None = None) -> dict:
+    """What `OpRadixCache.match_prefix` costs per request as a conversation grows, on sglang's own tree and pools
+    (CPU, in this process; no model: slots are allocated, not computed). For each length n: an agent conversation
+    (`AgentSession`, rolling drops of old tool responses, a reposition every second drop) played turn by turn
+    until it holds n messages, each turn matched and then cached as sglang would; then the next request is matched
+    `repeats` times (median, milliseconds) in the full form (every message's ids in the payload) and in the compact
+    form (base key + new messages), and as a plain token request on sglang's own `RadixCache` (the baseline)."""
+    import statistics as stats
+    from array import array
+    from types import SimpleNamespace
+
+    from kvsteward.serve.sglang.compat import prepare_sglang
+
+    prepare_sglang()
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from transformers import LlamaConfig
+
+    from kvsteward.kernels.rope import rope_spec
+    from kvsteward.serve.sglang.ops import SglangHistory, request_fields
+    from kvsteward.serve.sglang.tree import OpRadixCache
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+    class KV(SimpleNamespace):
+        def get_evicted_seqlen(self, component_type) -> int:
+            return 0
+
+        def swa_dead_lo(self, page_size: int) -> int:
+            return 0
+
+    class Req:
+        def __init__(self, ids, custom=None):
+            self.origin_input_ids, self.output_ids = array("q", ids), array("q")
+            self.sampling_params = SimpleNamespace(custom_params=custom)
+            self.extra_key, self.cache_salt, self.priority, self.lora_id = None, None, 0, None
+            self.kv = KV(req_pool_idx=None, cache_protected_len=0)
+            self.last_node = None
+
+    def setup(cls, slots):
+        pool = MHATokenToKVPool(size=slots, page_size=1, dtype=torch_dtype, head_num=2, head_dim=16, layer_num=1,
+                                device="cpu", enable_memory_saver=False)
+        alloc = TokenToKVPoolAllocator(slots, torch_dtype, "cpu", pool, need_sort=False)
+        rows = ReqToTokenPool(4, 1 << 16, "cpu", False)
+        params = CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=1)
+        return (cls(params, rope=rope_spec(config)) if cls is OpRadixCache else cls(params)), rows, alloc
+
+    def match(cache, req):
+        ids = req.origin_input_ids
+        t0 = time.perf_counter()
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(ids, req.extra_key, limit=len(ids) - 1), req=req))
+        return time.perf_counter() - t0, m
+
+    def serve(cache, rows, alloc, req):
+        """match, then as the scheduler: lock, allocate the rest, finish (insert, free, unpin, release)."""
+        dt, m = match(cache, req)
+        n = len(m.device_indices)
+        req.kv.req_pool_idx = rows.alloc_rows(1)[0]
+        cache.inc_lock_ref(m.last_device_node)
+        req.last_node, req.kv.cache_protected_len = m.last_device_node, n
+        new = alloc.alloc(len(req.origin_input_ids) - n)
+        row = rows.req_to_token[req.kv.req_pool_idx]
+        row[:n], row[n: len(req.origin_input_ids)] = m.device_indices.to(torch.int32), new.to(torch.int32)
+        up_to = len(req.origin_input_ids)
+        cache.insert_req(req, up_to=up_to)
+        cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, up_to)])
+        cache.unpin(req)
+        cache.on_release(req, inserted=True)
+        rows.free_rows([req.kv.req_pool_idx])
+        return dt
+
+    import torch
+
+    torch_dtype = torch.float32
+    sizes = {"system": message_len, "task": message_len, "tool": message_len, "prompt": 3}
+
+    def make(kind: str, k: int) -> list[int]:
+        g = torch.Generator().manual_seed(hash((kind, k)) % (1 << 31) if kind != "prompt" else 7)
+        return torch.randint(10, 30000, (sizes[kind],), generator=g).tolist()
+
+    rows_out = []
+    for n_messages in message_counts:
+        slots = 8 * n_messages * message_len + 4096
+        ours, ours_rows, ours_alloc = setup(OpRadixCache, slots)
+        base, base_rows, base_alloc = setup(RadixCache, slots)
+        session, client = AgentSession(make, keep=keep), SglangHistory()
+        reply = [11, 12, 13]
+        while True:
+            messages, cache = session.request()
+            body = client.fields(messages, cache)
+            serve(ours, ours_rows, ours_alloc, Req(body["input_ids"], body["sampling_params"]["custom_params"]))
+            serve(base, base_rows, base_alloc, Req(body["input_ids"]))
+            session.reply(reply)
+            if session.drops_next():  # the seal: the state through the reply cached before the next drop
+                seal = client.fields(*session.seal())
+                serve(ours, ours_rows, ours_alloc, Req(seal["input_ids"], seal["sampling_params"]["custom_params"]))
+            if len(session.messages) + 2 >= n_messages:
+                break
+        messages, cache = session.request()
+        compact = client.fields(messages, cache)
+        full = request_fields(messages, cache)
+        timings = {}
+        for name, cache_obj, body in (("compact", ours, compact), ("full", ours, full), ("radix", base, full)):
+            custom = body["sampling_params"]["custom_params"] if name != "radix" else None
+            ts = [match(cache_obj, Req(body["input_ids"], custom))[0] for _ in range(repeats)]
+            timings[name] = stats.median(ts) * 1e3
+        row = {"messages": len(messages), "resident_tokens": len(full["input_ids"]),
+               "payload_bytes_full": len(full["sampling_params"]["custom_params"]["kvsteward"]),
+               "payload_bytes_compact": len(compact["sampling_params"]["custom_params"]["kvsteward"]),
+               "match_ms_full": timings["full"], "match_ms_compact": timings["compact"],
+               "match_ms_radix_baseline": timings["radix"],
+               "ops_in_history": len(cache["drop"]) + len(cache["reposition"])}
+        rows_out.append(row)
+        if progress:
+            progress(f"match_prefix at {row['messages']} messages: {row}")
+    return {"rows": rows_out, "message_len": message_len, "keep": keep, "repeats": repeats}

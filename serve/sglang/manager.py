@@ -1,0 +1,203 @@
+"""The learned memory manager inside SGLang: the aux fork as a LoRA request, decoded exactly as `steward serve` does.
+
+`steward serve` (kvsteward.serve.manager) runs the manager as a fork of the main session at a boundary: the trigger
+(`Memory management mode`, the open cursors) and the forced opener `{"del_cursors":` are appended with the adapter on,
+over the main's K/V as the base model wrote it, and the list is decoded greedily under the grammar of
+`kvsteward.serve.manager.decode` (only open, unused cursor ids; `close_bias` on the closing candidates; the unread
+responses never offered with `keep_unread`). On SGLang the same decision is one `/generate` request:
+
+- **the fork** carries the main's op history (plus the trigger message, `SglangHistory.fork_fields`: compact), so the
+  kvsteward tree gives it the main's cached state. It names the adapter (`lora_path`): sglang's LoRA serving computes
+  its own tokens with the adapter. sglang appends a LoRA request's adapter id to its `extra_key` (a separate namespace
+  per adapter); the kvsteward tree strips it for a request that carries a history, so the fork matches the *base*
+  model's state of the main (shared, not copied), and it never inserts the fork's tokens (computed with the adapter)
+  into the tree (`OpRadixCache`, `_Walk.fork`). The trigger is never matched against the tree either: it is
+  computed with the adapter, as in the engine, even where the main cached the same tokens (`<|im_start|>`).
+- **the decode** is `DeletionListProcessor`, an sglang custom logit processor (the server runs with
+  `--enable-custom-logit-processor`): at every step it takes the row's logits of the deletion-list candidates
+  (`manager.decode._candidates`), adds `close_bias` to the closing ones, and keeps only the most probable candidate
+  whose text continues a valid list (`manager.decode.valid_tail`, the same automaton) — the engine's
+  `_constrained_steps`, token for token; with greedy sampling that is the token sglang emits. Once the list is
+  closed it forces EOS (one forward the engine does not run; its token is not part of the decision).
+
+Not on SGLang: the confidence rule (`min_confidence`: a depth-first walk over the list's branches, one forward per
+branch token; the engine's `_confident_steps`) — `SglangManager` refuses an adapter calibrated with it, and the
+planner (`--aux-plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvsteward.serve.manager.decode import LIST_OPEN, PREFIX, AuxDecision, _candidates, _close, valid_tail
+
+AUX_FIELD = "kvsteward_aux"
+
+
+@lru_cache(maxsize=64)
+def _aux_spec(text: str) -> dict:
+    spec = json.loads(text)
+    spec["open"] = frozenset(spec["open"])
+    spec["text_of"] = dict(zip(spec["cand"], spec["texts"], strict=True))
+    spec["closing"] = frozenset(t for t, x in zip(spec["cand"], spec["texts"], strict=True) if "]" in x)
+    return spec
+
+
+class DeletionListProcessor:
+    """sglang custom logit processor: the deletion list's constrained greedy step (`_constrained_steps`).
+
+    Serialized by reference (`processor_str`: a pickle of the class, which sglang's `CustomLogitProcessor.from_str`
+    loads with dill), so the server imports this module: kvsteward must be installed in the server's environment (it
+    is: its entry point is the plugin). Per request, `custom_params["kvsteward_aux"]` is a JSON string: the candidate
+    ids and texts, the deletable ids, the close bias and the EOS id (a string: it must survive msgpack IPC)."""
+
+    def __call__(self, logits, custom_param_list=None):
+        import torch
+
+        for row, params in enumerate(custom_param_list or []):
+            text = (params or {}).get(AUX_FIELD)
+            if text is None:
+                continue
+            spec = _aux_spec(text)
+            out = list(getattr(params.get("__req__"), "output_ids", ()) or ())
+            tail = "".join(spec["text_of"].get(t, "") for t in out)
+            choice = None
+            if not valid_tail(tail, spec["open"])[1]:
+                cand = torch.tensor(spec["cand"], dtype=torch.long, device=logits.device)
+                scores = logits[row, cand].float()
+                if spec["close_bias"]:
+                    bias = torch.tensor([spec["close_bias"] if t in spec["closing"] else 0.0 for t in spec["cand"]],
+                                        device=logits.device)
+                    scores = scores + bias
+                for k in torch.argsort(scores, descending=True).tolist():
+                    if valid_tail(tail + spec["texts"][k], spec["open"])[0]:
+                        choice = spec["cand"][k]
+                        break
+            if choice is None:  # the list is closed (or, impossibly, no continuation): end the request
+                choice = spec["eos"]
+            keep = logits[row, choice].clone()
+            logits[row].fill_(float("-inf"))
+            logits[row, choice] = keep if torch.isfinite(keep) else 0.0
+        return logits
+
+
+def processor_str() -> str:
+    """`custom_logit_processor` for a `/generate` request: what sglang's `CustomLogitProcessor.to_str()` writes
+    (`{"callable": hex}`; sglang loads it with dill, which reads a plain pickle of a class by reference)."""
+    return json.dumps({"callable": pickle.dumps(DeletionListProcessor).hex()})
+
+
+@dataclass
+class SglangManager:
+    """The manager's decision on SGLang, with `steward serve`'s rule: `adapter_meta(adapter)` gives `trigger_style`,
+    `aux_context`, `close_bias`; `lora` is the adapter's name on the server (`--lora-paths NAME=DIR`), None for the
+    base model as its own manager (`--aux-base`)."""
+
+    tokenizer: Any
+    lora: str | None = None
+    trigger_style: str = "ids"
+    aux_context: str = "full"
+    close_bias: float = 0.0
+    keep_unread: bool = True
+    max_tokens: int = 64
+    min_confidence: float | None = None
+    _eos: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.min_confidence is not None:
+            raise NotImplementedError("the confidence rule (min_confidence) is engine-only: on SGLang the manager "
+                                      "decodes the greedy list (pass min_confidence=None, or serve it with "
+                                      "`steward serve`)")
+        eos = self.tokenizer.eos_token_id
+        self._eos = int(eos[0] if isinstance(eos, list) else eos)
+
+    @classmethod
+    def for_adapter(cls, tokenizer, adapter: str | None, lora: str | None, **kw) -> SglangManager:
+        from kvsteward.models import adapter_meta
+
+        meta = adapter_meta(adapter) if adapter else {"trigger": "ids", "aux_context": "full", "close_bias": 0.0,
+                                                      "min_confidence": None}
+        args = {"trigger_style": meta["trigger"], "aux_context": meta["aux_context"],
+                "close_bias": meta["close_bias"], "min_confidence": meta["min_confidence"]}
+        return cls(tokenizer, lora=lora, **{**args, **kw})
+
+    def deletable(self, messages: list[dict], open_cursors: list[int]) -> list[int]:
+        from kvsteward.synth.hindsight import unread_cursors
+
+        unread = set(unread_cursors(messages)) if self.keep_unread else set()
+        return [c for c in open_cursors if c not in unread]
+
+    def trigger_ids(self, messages: list[dict], open_cursors: list[int]) -> list[int]:
+        """The fork's last message: the trigger (as `manager.thread.aux_steps` writes it) and the forced opener."""
+        from kvsteward.synth.chat import generation_prompt, message_texts
+        from kvsteward.synth.hindsight import delete_trigger
+
+        tok = self.tokenizer
+        history = messages + [{"role": "user", "content": delete_trigger(open_cursors, messages,
+                                                                         self.trigger_style)}]
+        trigger_text = message_texts(tok, history)[-1] + generation_prompt(tok, history)
+        return tok.encode(trigger_text, add_special_tokens=False) + tok.encode(PREFIX, add_special_tokens=False)
+
+    def fork_body(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                  open_cursors: list[int]) -> dict | None:
+        """The fork's `/generate` body at a boundary: the main's messages up to the boundary's tool response (their
+        dicts, for the trigger, and the token ids the main sent) with the main's ops, then the trigger. None when no
+        cursor is deletable (the decision is "delete nothing" without a request, as in the engine).
+        `history`: the main's `SglangHistory` (the fork continues its base), or None for the full form."""
+        deletable = self.deletable(messages, open_cursors)
+        if not deletable:
+            return None
+        trigger = self.trigger_ids(messages, open_cursors)
+        if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
+            msgs, ops = [message_ids[0], trigger], None
+        else:
+            msgs, ops = [*message_ids, trigger], cache
+        if history is not None and self.aux_context != "first":
+            body = history.fork_fields(msgs, ops)
+        else:
+            from kvsteward.serve.sglang.ops import request_fields
+
+            body = request_fields(msgs, ops)
+        cand, texts = _candidates(self.tokenizer)
+        spec = {"cand": cand, "texts": texts, "open": deletable, "close_bias": float(self.close_bias),
+                "eos": self._eos}
+        params = body.setdefault("sampling_params", {})
+        params.setdefault("custom_params", {})[AUX_FIELD] = json.dumps(spec, separators=(",", ":"))
+        params.update({"max_new_tokens": self.max_tokens + 1, "temperature": 0.0})
+        body["custom_logit_processor"] = processor_str()
+        if self.lora is not None:
+            body["lora_path"] = self.lora
+        return body
+
+    def decision(self, output_ids: list[int]) -> AuxDecision:
+        """The decision in a fork's output tokens (the constrained list, then EOS): as `_constrained_steps` returns
+        it (ids sorted; `truncated` when the token budget ran out before the list closed)."""
+        text_of = dict(zip(*_candidates(self.tokenizer), strict=True))
+        tail, used = "", 0
+        for t in output_ids[: self.max_tokens]:
+            if t not in text_of:  # EOS: the list closed
+                break
+            tail += text_of[t]
+            used += 1
+        try:
+            ids = json.loads(PREFIX + tail)["del_cursors"]
+        except json.JSONDecodeError:
+            text = PREFIX + _close(tail)
+            return AuxDecision(sorted(json.loads(text)["del_cursors"]), text, used, truncated=True)
+        return AuxDecision(sorted(ids), PREFIX + tail, used)
+
+    def decide(self, url: str, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+               open_cursors: list[int], timeout: float = 600) -> AuxDecision:
+        """Run the fork on the server at `url` and return the decision."""
+        import requests
+
+        body = self.fork_body(history, messages, message_ids, cache, open_cursors)
+        if body is None:
+            return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
+        r = requests.post(f"{url}/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        return self.decision(r.json()["output_ids"])

@@ -1,0 +1,161 @@
+"""The learned manager inside a real SGLang server, against the kvsteward engine on the same session.
+
+SmolLM2 (fp32, real weights) served by `python -m sglang.launch_server` with LoRA (`--lora-paths mgr=ADAPTER`,
+torch_native LoRA backend on CPU) and the kvsteward backend; the adapter is a LoRA made here the way `steward train`
+makes one (`train.lora.wrap_lora`, top layers only: `layers_to_transform`), with random B so that it changes the
+decode. The aux fork (`serve.sglang.manager.SglangManager`) is a LoRA request carrying the main's op history: it
+must decide exactly what `run_aux` decides on the engine (the decode `steward serve`'s worker runs; tests/
+test_serve_aux.py checks the server's decision is `run_aux` on the boundary state), read the main's cached prefix
+(not recompute it, not with the adapter), cache nothing of its own, and its drop on the main's next request must
+give the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+import torch
+
+from kvsteward.serve.server.testing import free_port
+from kvsteward.serve.sglang.launch import SglangServer, server_command
+from kvsteward.serve.sglang.manager import SglangManager
+from kvsteward.serve.sglang.ops import SglangHistory
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": "Find the owner of ticket 7."},
+            {"role": "assistant", "content": "I will search."},
+            {"role": "tool", "content": "[cursor 3] ticket 7: printer broken, owner unknown"},
+            {"role": "assistant", "content": "Look up the team."},
+            {"role": "tool", "content": "[cursor 5] team roster: Ann owns printers"}]
+OPEN = [3, 5]
+
+
+def make_adapter(path, std: float = 0.5):
+    from transformers import AutoModelForCausalLM
+
+    from kvsteward.models import resolve, write_adapter_meta
+    from kvsteward.train.lora import LoraRunConfig, wrap_lora
+
+    base = AutoModelForCausalLM.from_pretrained(resolve("smollm2"), dtype=torch.float32)
+    torch.manual_seed(0)  # lora_A's init draws from the global generator: the same adapter in any test order
+    model = wrap_lora(base, LoraRunConfig(data="-", out="-", rank=8, alpha=16, top_layers=6))
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g) * std
+    model.save_pretrained(path)
+    write_adapter_meta(path, {"trigger": "ids", "adapter_scope": "aux", "aux_context": "full"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from kvsteward.models import resolve
+    from kvsteward.serve.engine import Engine
+
+    torch.set_num_threads(1)
+    adapter = make_adapter(tmp_path_factory.mktemp("adapter"))
+    port = free_port()
+    cmd = server_command(resolve("smollm2"), port, max_total_tokens=8192, lora={"mgr": str(adapter)}, lora_rank=8)
+    server = SglangServer(cmd, port, log=tmp_path_factory.mktemp("log") / "server.log")
+    server.start()
+    engine = Engine.load("smollm2", adapter=str(adapter))
+    try:
+        yield server, engine, adapter
+    finally:
+        server.kill()
+
+
+def main_ids(tok):
+    from kvsteward.synth.chat import generation_prompt, message_token_ids
+
+    ids = message_token_ids(tok, MESSAGES)
+    prompt = tok.encode(generation_prompt(tok, MESSAGES), add_special_tokens=False)
+    return ids, prompt
+
+
+def main_session(engine, ids):
+    s = engine.session("full")
+    for m in ids:
+        s.append(m, logits="last")
+    return s
+
+
+def test_the_fork_decides_what_the_engine_decides_with_the_adapter(served):
+    from kvsteward.serve.manager.thread import run_aux
+
+    server, engine, adapter = served
+    tok = engine.tokenizer
+    ids, prompt = main_ids(tok)
+    history = SglangHistory()
+    body = history.fields([*ids, prompt])  # the main turn up to the boundary's tool response, then its reply
+    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    main_prefix = sum(len(m) for m in ids)
+    decisions = {}
+    for keep_unread in (False, True):
+        mgr = SglangManager.for_adapter(tok, str(adapter), "mgr", keep_unread=keep_unread, max_tokens=16)
+        fork = mgr.fork_body(history, MESSAGES, ids, None, OPEN)
+        assert fork["lora_path"] == "mgr" and '"base"' in fork["sampling_params"]["custom_params"]["kvsteward"]
+        out = requests.post(f"{server.url}/generate", json=fork, timeout=300).json()
+        got = mgr.decision(out["output_ids"])
+        want = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, max_tokens=16, use_adapter=True,
+                       keep_unread=keep_unread)
+        assert (got.text, got.tokens, got.del_cursors) == (want.text, want.tokens, want.del_cursors), keep_unread
+        # it read the main's state from the tree (the base model's K/V: the fork's prefix is the main's path), and
+        # computed only the trigger (with the adapter)
+        assert out["meta_info"]["cached_tokens"] == main_prefix, out["meta_info"]
+        decisions[keep_unread] = got
+    assert decisions[True].del_cursors == [3]  # 5 is unread: never offered
+    # the adapter made the difference: the base model as its own manager decodes another token sequence
+    base = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, max_tokens=16, use_adapter=False,
+                   keep_unread=False)
+    assert (base.text, base.tokens) != (decisions[False].text, decisions[False].tokens)
+    # nothing the fork computed entered the tree: the same tokens as a plain request reuse only the main's prefix
+    fork_tokens = SglangManager.for_adapter(tok, str(adapter), "mgr", max_tokens=16).fork_body(
+        None, MESSAGES, ids, None, OPEN)["input_ids"]
+    plain = requests.post(f"{server.url}/generate", json={
+        "input_ids": fork_tokens, "sampling_params": {"max_new_tokens": 1}}, timeout=300).json()
+    main_cached = [t for m in ids for t in m] + prompt  # what the main turn left in the tree
+    common = next(i for i, (a, b) in enumerate(zip(fork_tokens, main_cached, strict=False)) if a != b)
+    assert common == main_prefix + 1  # (`<|im_start|>`, the first token of both the trigger and the reply prompt)
+    assert plain["meta_info"]["cached_tokens"] == common
+
+
+def test_the_decision_is_the_main_s_next_drop(served):
+    """The agent loop on SGLang: main turn (reply generated), the fork's decision, the main's next turn with the
+    decision as a drop right after the reply (the state through the reply sealed first): the main's tokens equal the
+    engine's session with the same reply, the same drop and the same new messages."""
+    server, engine, adapter = served
+    tok = engine.tokenizer
+    ids, prompt = main_ids(tok)
+    history = SglangHistory()
+    mgr = SglangManager.for_adapter(tok, str(adapter), "mgr", keep_unread=True, max_tokens=16)
+    body = history.fields([*ids, prompt])
+    body["sampling_params"].update({"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    reply = requests.post(f"{server.url}/generate", json=body, timeout=300).json()["output_ids"]
+    decision = mgr.decide(server.url, history, MESSAGES, ids, None, OPEN)
+    assert decision.del_cursors == [3]
+    closing = tok.encode("<|im_end|>\n", add_special_tokens=False)
+    assistant = prompt + reply + closing
+    seal = history.fields([*ids, assistant])  # the tree must hold the state through the reply before the drop
+    seal["sampling_params"].update({"max_new_tokens": 1})
+    requests.post(f"{server.url}/generate", json=seal, timeout=300).raise_for_status()
+    user = tok.encode("<|im_start|>user\nWho is it?<|im_end|>\n", add_special_tokens=False)
+    messages = [*ids, assistant, user, prompt]
+    cache = {"drop": {str(len(ids)): decision.del_cursors}}
+    nxt = history.fields(messages, cache)
+    nxt["sampling_params"].update({"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    out = requests.post(f"{server.url}/generate", json=nxt, timeout=300).json()
+    s = main_session(engine, [*ids, assistant])
+    start = sum(len(m) for m in ids[:3])
+    s.drop(list(range(start, start + len(ids[3]))))
+    s.append(user, logits=None)
+    s.append(prompt, logits="last")
+    assert out["output_ids"] == s.generate(8)
+    assert out["meta_info"]["cached_tokens"] >= sum(len(m) for m in ids) + len(assistant) - len(ids[3])
+    assert json.loads(nxt["sampling_params"]["custom_params"]["kvsteward"])["cache"]["drop"] == {"6": [3]}
