@@ -154,6 +154,16 @@ def _numeric_metrics(groups: dict[str, dict]) -> dict[str, float]:
             if isinstance(v, (int, float)) and v == v}
 
 
+def _interleave(traces: list) -> list:
+    """The traces environment by environment in turn (each environment's own order kept), so the first N of a
+    multi-environment set hold every environment alike."""
+    by_env: dict[str, list] = {}
+    for t in traces:
+        by_env.setdefault(t.env, []).append(t)
+    queues = list(by_env.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 def _traces(data: Path, traces: Path | None, split: str, limit: int, envs: str = "") -> list:
     """At most `limit` traces of `split` (`all`: every split) and of the environments `envs` (comma-separated; empty:
     all): from `traces`, or the folder the dataset card at `data` names."""
@@ -165,7 +175,8 @@ def _traces(data: Path, traces: Path | None, split: str, limit: int, envs: str =
     if src is None:
         raise typer.BadParameter(f"{data} has no {CARD_JSON} naming its traces: pass --traces")
     want = {e.strip() for e in envs.split(",") if e.strip()}
-    trs = [t for t in read_traces(src) if split in ("all", t.split) and (not want or t.env in want)][:limit]
+    trs = _interleave([t for t in read_traces(src) if split in ("all", t.split) and (not want or t.env in want)])
+    trs = trs[:limit]
     if not trs:
         raise typer.BadParameter(f"no {split!r} traces{f' of {sorted(want)}' if want else ''} in {src}")
     return trs
@@ -328,6 +339,10 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         raise typer.BadParameter(f"--split must be train, validation, test or all, got {split!r}")
     _check_aux_context(aux_context)
     _check_parallel(workers, journal)
+    if adapter is not None:  # refused before any baseline is fit or model loaded
+        from kvsteward.models import check_adapter
+
+        check_adapter(adapter)
     trs = _traces(data, traces, split, limit, env)
     if fit_envs is None:
         from kvsteward.models import adapter_meta

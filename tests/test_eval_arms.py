@@ -208,3 +208,15 @@ def test_a_foreign_trace_folder_goes_through_hindsight_audit_and_eval(tiny_folde
                      .strip().splitlines()[-1])
     assert all(out[a]["n_decisions"] > 0 for a in out["arms"]) and out["uncompressed"]["answer_acc"] != \
         out["uncompressed"]["answer_acc"]  # NaN: these traces carry no answer
+
+
+def test_a_multi_environment_test_set_takes_every_environment_alike():
+    """`--env a,b --limit N`: the first N traces alternate environments (traces files list them env by env)."""
+    from types import SimpleNamespace
+
+    from kvsteward.pipelines.cli_eval import _interleave
+
+    ts = [SimpleNamespace(env=e, i=i) for e, n in (("research", 5), ("ops", 2)) for i in range(n)]
+    got = [(t.env, t.i) for t in _interleave(ts)]
+    assert got[:4] == [("research", 0), ("ops", 0), ("research", 1), ("ops", 1)] and len(got) == 7
+    assert [t.i for t in _interleave(ts) if t.env == "research"] == list(range(5))

@@ -63,6 +63,7 @@ def test_steward_prints_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
 
 class _FakeTrace:
     split = "test"
+    env = "research"
 
 
 def test_pull_of_an_unknown_embedded_model_is_one_line(monkeypatch, capsys):

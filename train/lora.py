@@ -338,8 +338,10 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     progress = RichProgress(cfg.max_steps)
     budget = [WallClockBudget(cfg.max_minutes)] if cfg.max_minutes > 0 else []
     # how it was trained, for the server: the trigger it writes, and the context it serves the aux thread on
-    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope, "aux_context": cfg.aux_context,
-            "train_envs": sorted(set(train["env"])) if "env" in train.column_names else []}
+    meta = {"trigger": trigger, "adapter_scope": cfg.adapter_scope, "aux_context": cfg.aux_context}
+    envs = sorted({e for e in train["env"] if e}) if "env" in train.column_names else []
+    if envs:  # the environments it saw (absent: rows without environments); eval fits its baselines on the same
+        meta["train_envs"] = envs
     callbacks = [progress, AdapterMetaInCheckpoints(meta)] + ([MlflowMetrics()] if tracking else []) + budget + \
         list(cfg.callbacks)
     trainer = StewardTrainer(model=model, args=args, train_dataset=train, eval_dataset=val,
