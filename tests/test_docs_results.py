@@ -80,7 +80,7 @@ def test_relative_links_resolve():
             target = m.group(1)
             if "://" in target or target.startswith("mailto:"):
                 continue
-            base = REPO if p.name == "README.proposed.md" or p.parent == REPO else p.parent
+            base = REPO if p.parent == REPO else p.parent
             if not (base / target).exists():
                 bad.append(f"{p.relative_to(REPO)}: {target}")
         for m in re.finditer(r"docs/results/([0-9]{4}-[0-9]{2}-[0-9]{2}-[a-z0-9-]+)", text):
