@@ -98,10 +98,18 @@ def choose(by_bias: dict[float, dict], max_harm: float, min_f1: float,
     """The arm to serve (a greedy close bias, or a confidence threshold at bias 0): among those with harmful rate <=
     `max_harm` and F1 >= `min_f1`, the highest F1 (a tie: the lower bias, then greedy, then the lower threshold:
     the one that deletes more). When none meets both, the lowest harmful rate among those that keep F1 >= `min_f1`
-    (among all when none does; a tie: the higher F1), and `met` is False: the target is not reached."""
+    (among all when none does; a tie: the higher F1), and `met` is False: the target is not reached.
+
+    An arm that deletes nothing on the sweep is never chosen while another deletes something: it is no decode rule
+    for a manager (its harm is 0 / 0), and choosing it would serve a manager that never acts, which an operator can
+    have by not running one."""
     arms = [(b, None, s) for b, s in by_bias.items()] + [(0.0, c, s) for c, s in (by_confidence or {}).items()]
     if not arms:
         raise ValueError("nothing to choose from: no bias was measured")
+    if not (acting := [a for a in arms if a[2]["deleted"]]):
+        b, c, s = min(arms, key=lambda a: (a[1] is not None, a[0], a[1] or 0.0))
+        return Choice(b, False, "no arm deletes anything on these traces", c)
+    arms = acting
     ok = [a for a in arms if _harm(a[2]) <= max_harm and a[2]["f1"] >= min_f1]
     if ok:
         b, c, s = max(ok, key=lambda a: (a[2]["f1"], -a[0], -(a[1] or 0.0)))

@@ -41,9 +41,15 @@ def test_choose_the_lowest_harm_when_the_target_is_not_met():
     # no bias keeps F1: the lowest harm of all, said so
     c = choose(by, max_harm=0.02, min_f1=0.95)
     assert (c.close_bias, c.met) == (2.0, False) and "no arm keeps F1 >= 0.95" in c.reason
-    # deleting nothing harms nothing (0 / 0 is no harm, not NaN) but has F1 0: chosen only when F1 is not asked for
+    # deleting nothing harms nothing (0 / 0), but it is no rule for a manager: never chosen while an arm acts, even
+    # when F1 is not asked for; when no arm acts the choice says so
     by = {0.0: _s(0.9, 50, 5), 9.0: _s(0.0, 0, 0)}
-    assert choose(by, 0.02, 0.8).close_bias == 0.0 and choose(by, 0.02, 0.0).close_bias == 9.0
+    assert choose(by, 0.02, 0.8).close_bias == 0.0 and choose(by, 0.02, 0.0).close_bias == 0.0
+    c = choose({0.0: _s(0.0, 0, 0), 1.0: _s(0.0, 0, 0)}, 0.02, 0.0, {0.8: _s(0.0, 0, 0)})
+    assert (c.close_bias, c.min_confidence, c.met) == (0.0, None, False) and "deletes anything" in c.reason
+    # a confidence threshold that deletes nothing does not "meet" the harm target (the demo's 60-step adapter)
+    c = choose({0.0: _s(0.53, 19, 7), 1.0: _s(0.42, 13, 4)}, 0.02, 0.0, {0.8: _s(0.0, 0, 0), 0.9: _s(0.0, 0, 0)})
+    assert (c.close_bias, c.min_confidence, c.met) == (1.0, None, False)
     with pytest.raises(ValueError, match="no bias was measured"):
         choose({}, 0.02, 0.8)
 
