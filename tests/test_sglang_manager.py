@@ -159,3 +159,30 @@ def test_the_decision_is_the_main_s_next_drop(served):
     assert out["output_ids"] == s.generate(8)
     assert out["meta_info"]["cached_tokens"] >= sum(len(m) for m in ids) + len(assistant) - len(ids[3])
     assert json.loads(nxt["sampling_params"]["custom_params"]["kvsteward"])["cache"]["drop"] == {"6": [3]}
+
+
+def test_the_confidence_rule_on_sglang_is_the_engine_s(served):
+    """An adapter calibrated with `min_confidence`: the branch walk driven by one-token requests (the candidates'
+    log-probabilities) gives the engine's confidences and decision on the same boundary, branch for branch."""
+    from kvsteward.serve.manager.thread import run_aux
+
+    server, engine, adapter = served
+    tok = engine.tokenizer
+    ids, prompt = main_ids(tok)
+    history = SglangHistory()
+    body = history.fields([*ids, prompt])
+    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    for close_bias in (0.0, -3.0):  # a negative bias keeps lists open: more branches
+        mgr = SglangManager.for_adapter(tok, str(adapter), "mgr", keep_unread=False, max_tokens=16,
+                                        min_confidence=0.5, close_bias=close_bias)
+        branch = mgr.branch_body(history, MESSAGES, ids, None, OPEN, [])
+        assert branch["lora_path"] == "mgr" and "custom_logit_processor" not in branch
+        got = mgr.decide(server.url, history, MESSAGES, ids, None, OPEN)
+        want = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, max_tokens=16, use_adapter=True,
+                       keep_unread=False, min_confidence=0.5, close_bias=close_bias)
+        assert want.tokens >= 2  # the walk branched: more than one list was decoded
+        assert (got.del_cursors, got.tokens, got.truncated) == (want.del_cursors, want.tokens, want.truncated)
+        assert got.confidence.keys() == want.confidence.keys()
+        for c in OPEN:
+            assert abs(got.confidence[c] - want.confidence[c]) < 1e-3, (c, got.confidence, want.confidence)

@@ -18,6 +18,7 @@ import re
 from collections.abc import Generator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -210,28 +211,56 @@ def _confident_steps(session: Session, tokenizer, open_ids: list[int], min_confi
     copy of the state (`Session.fork`); a branch closes its list (its mass goes to its ids), falls below `prune`, runs
     out of `max_tokens`, or finds the `max_forwards` budget spent (those three lose their mass). `truncated`: no
     list closed at all (nothing is deleted)."""
-    allowed = frozenset(open_ids)
-    cand_ids, cand_texts = _candidates(tokenizer)
+    cand_ids, _ = _candidates(tokenizer)
     cand = torch.tensor(cand_ids, dtype=torch.long)
-    bias = _close_bias_vector(tokenizer, close_bias)
     session.append(tokenizer.encode(PREFIX, add_special_tokens=False), kind="assistant", continue_message=True)
     yield
+    walk = branch_walk(tokenizer, open_ids, min_confidence, max_tokens, close_bias, prune, max_forwards)
+    try:
+        request = next(walk)
+    except StopIteration as stop:  # no forward budget at all
+        return stop.value
+    while True:
+        parent, token, last = request
+        if token is None:  # the root: the session after the opener
+            state = session
+        else:
+            state = parent if last else parent.fork()
+            state.append([token], kind="assistant", continue_message=True, logits="last")
+            yield
+        try:
+            request = walk.send((state, state.last_logits[cand].float()))
+        except StopIteration as stop:
+            return stop.value
+
+
+def branch_walk(tokenizer, open_ids: list[int], min_confidence: float, max_tokens: int, close_bias: float = 0.0,
+                prune: float = PRUNE, max_forwards: int = MAX_BRANCH_FORWARDS
+                ) -> Generator[tuple[Any, int | None, bool], tuple[Any, torch.Tensor], AuxDecision]:
+    """The confidence rule's walk, apart from where the logits come from (the engine's session states, or an SGLang
+    server's requests: `kvsteward.serve.sglang.manager`).
+
+    It yields `(parent, token, last)`: extend the state `parent` by `token` (None: the root, as it is) and send
+    back `(child, logits)`, the child's state handle and its logits over `_candidates(tokenizer)` (any constant
+    offset: they are renormalized over the valid candidates); `last` says no other child of `parent` remains, so
+    the driver may extend `parent` in place instead of copying it. The first request is `(None, None, True)`: send
+    the root (the state after the opener `PREFIX`) and its logits."""
+    allowed = frozenset(open_ids)
+    cand_ids, cand_texts = _candidates(tokenizer)
+    bias = _close_bias_vector(tokenizer, close_bias)
     mass = dict.fromkeys(open_ids, 0.0)
     closed, forwards = 0.0, 0
     floor = math.log(prune) if prune > 0 else -math.inf
-    # a pending child: its parent's state (shared with its siblings: [session, children not yet taken]), the tail
+    # a pending child: its parent's state (shared with its siblings: [state, children not yet taken]), the tail
     # and log P with its token, the token, tokens decoded. The parent state is copied per child (the last one taken
     # reuses it), so only the states on the current path and their parents are alive.
-    stack: list[tuple[list, str, float, int | None, int]] = [([session, 1], "", 0.0, None, 0)]
+    stack: list[tuple[list, str, float, int | None, int]] = [([None, 1], "", 0.0, None, 0)]
     while stack and forwards < max_forwards:
         parent, tail, logp, token, used = stack.pop()
         parent[1] -= 1
-        state = parent[0] if parent[1] == 0 else parent[0].fork()
         if token is not None:
-            state.append([token], kind="assistant", continue_message=True, logits="last")
             forwards += 1
-            yield
-        logits = state.last_logits[cand].float()
+        state, logits = yield parent[0], token, parent[1] == 0
         if bias is not None:
             logits = logits + bias
         valid = [(k, done) for k in range(len(cand_ids)) for ok, done in [valid_tail(tail + cand_texts[k], allowed)]

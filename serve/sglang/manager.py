@@ -20,9 +20,15 @@ responses never offered with `keep_unread`). On SGLang the same decision is one 
   `_constrained_steps`, token for token; with greedy sampling that is the token sglang emits. Once the list is
   closed it forces EOS (one forward the engine does not run; its token is not part of the decision).
 
-Not on SGLang: the confidence rule (`min_confidence`: a depth-first walk over the list's branches, one forward per
-branch token; the engine's `_confident_steps`) — `SglangManager` refuses an adapter calibrated with it, and the
-planner (`--aux-plan`).
+- **the confidence rule** (`min_confidence`, an adapter calibrated with `steward eval calibrate --confidences`) is
+  the engine's walk over the list's branches (`manager.decode.branch_walk`, the same order, prune and forward
+  budget): each branch state is one `/generate` request of one token, the fork plus the branch's tail, asking for
+  the candidates' log-probabilities (`token_ids_logprob`); the walk renormalizes them over the valid candidates as
+  it does the engine's logits. A branch request shares the main's prefix like the greedy fork, and recomputes the
+  trigger and its tail with the adapter (the tree never holds adapter tokens): a decision costs one prefill of
+  trigger + tail per branch token, where the engine extends a copied state by one token.
+
+Not on SGLang: the planner (`--aux-plan`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from kvsteward.serve.manager.decode import LIST_OPEN, PREFIX, AuxDecision, _candidates, _close, valid_tail
+import torch
+
+from kvsteward.serve.manager.decode import (
+    LIST_OPEN,
+    MAX_BRANCH_FORWARDS,
+    PREFIX,
+    PRUNE,
+    AuxDecision,
+    _candidates,
+    _close,
+    branch_walk,
+    valid_tail,
+)
 
 AUX_FIELD = "kvsteward_aux"
 
@@ -108,10 +126,10 @@ class SglangManager:
     _eos: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        from kvsteward.models import check_min_confidence
+
         if self.min_confidence is not None:
-            raise NotImplementedError("the confidence rule (min_confidence) is engine-only: on SGLang the manager "
-                                      "decodes the greedy list (pass min_confidence=None, or serve it with "
-                                      "`steward serve`)")
+            check_min_confidence(self.min_confidence)
         eos = self.tokenizer.eos_token_id
         self._eos = int(eos[0] if isinstance(eos, list) else eos)
 
@@ -151,7 +169,29 @@ class SglangManager:
         deletable = self.deletable(messages, open_cursors)
         if not deletable:
             return None
-        trigger = self.trigger_ids(messages, open_cursors)
+        body = self._fork_fields(history, messages, message_ids, cache, open_cursors)
+        cand, texts = _candidates(self.tokenizer)
+        spec = {"cand": cand, "texts": texts, "open": deletable, "close_bias": float(self.close_bias),
+                "eos": self._eos}
+        params = body.setdefault("sampling_params", {})
+        params.setdefault("custom_params", {})[AUX_FIELD] = json.dumps(spec, separators=(",", ":"))
+        params.update({"max_new_tokens": self.max_tokens + 1, "temperature": 0.0})
+        body["custom_logit_processor"] = processor_str()
+        return body
+
+    def branch_body(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                    open_cursors: list[int], tail: list[int]) -> dict:
+        """The confidence walk's request for one branch state: the fork, the tokens `tail` of the branch after the
+        opener, one token to generate, and the log-probabilities of every deletion-list candidate there."""
+        body = self._fork_fields(history, messages, message_ids, cache, open_cursors, tail)
+        body.setdefault("sampling_params", {}).update({"max_new_tokens": 1, "temperature": 0.0})
+        body.update({"return_logprob": True, "token_ids_logprob": _candidates(self.tokenizer)[0]})
+        return body
+
+    def _fork_fields(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                     open_cursors: list[int], tail: list[int] = ()) -> dict:
+        """The fork's input (the main's messages and ops, the trigger, the opener, `tail`) naming the adapter."""
+        trigger = self.trigger_ids(messages, open_cursors) + list(tail)
         if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
             msgs, ops = [message_ids[0], trigger], None
         else:
@@ -162,13 +202,6 @@ class SglangManager:
             from kvsteward.serve.sglang.ops import request_fields
 
             body = request_fields(msgs, ops)
-        cand, texts = _candidates(self.tokenizer)
-        spec = {"cand": cand, "texts": texts, "open": deletable, "close_bias": float(self.close_bias),
-                "eos": self._eos}
-        params = body.setdefault("sampling_params", {})
-        params.setdefault("custom_params", {})[AUX_FIELD] = json.dumps(spec, separators=(",", ":"))
-        params.update({"max_new_tokens": self.max_tokens + 1, "temperature": 0.0})
-        body["custom_logit_processor"] = processor_str()
         if self.lora is not None:
             body["lora_path"] = self.lora
         return body
@@ -195,9 +228,42 @@ class SglangManager:
         """Run the fork on the server at `url` and return the decision."""
         import requests
 
+        if self.min_confidence is not None:
+            return self.confident_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
         body = self.fork_body(history, messages, message_ids, cache, open_cursors)
         if body is None:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
         r = requests.post(f"{url}/generate", json=body, timeout=timeout)
         r.raise_for_status()
         return self.decision(r.json()["output_ids"])
+
+    def confident_decision(self, url: str, history, messages: list[dict], message_ids: list[list[int]],
+                           cache: dict | None, open_cursors: list[int], timeout: float = 600,
+                           prune: float = PRUNE, max_forwards: int = MAX_BRANCH_FORWARDS) -> AuxDecision:
+        """The confidence rule on the server at `url`: `branch_walk` driven by one request per branch state (a
+        state's handle is its tail of tokens after the opener)."""
+        import requests
+
+        deletable = self.deletable(messages, open_cursors)
+        if not deletable:
+            return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
+        cand = _candidates(self.tokenizer)[0]
+
+        def logits(tail: list[int]) -> torch.Tensor:
+            body = self.branch_body(history, messages, message_ids, cache, open_cursors, tail)
+            r = requests.post(f"{url}/generate", json=body, timeout=timeout)
+            r.raise_for_status()
+            (row,) = r.json()["meta_info"]["output_token_ids_logprobs"]
+            logprob = {int(tid): float(lp) for lp, tid, *_ in row}
+            return torch.tensor([logprob[t] for t in cand], dtype=torch.float32)
+
+        walk = branch_walk(self.tokenizer, deletable, self.min_confidence, self.max_tokens, self.close_bias, prune,
+                           max_forwards)
+        try:
+            request = next(walk)
+            while True:
+                parent, token, _ = request
+                tail = [] if token is None else [*parent, token]
+                request = walk.send((tail, logits(tail)))
+        except StopIteration as stop:
+            return stop.value
