@@ -150,8 +150,13 @@ def _check_against_hf(inv_freq: torch.Tensor, hf_inv_freq: torch.Tensor, rope_ty
                            f"(max rel err {worst:.2e}): did transformers change its formula? update kernels/rope.py")
 
 
-def rope_spec(config, layout: str = "split_half", layer_type: str | None = None) -> RopeSpec:
+def rope_spec(config, layout: str = "split_half", layer_type: str | None = None,
+              rotary_dim: int | None = None) -> RopeSpec:
     """RopeSpec of an HF PretrainedConfig (`config.rope_parameters`), with inv_freq in float64.
+
+    `layout` and `rotary_dim` (default: head_dim x the config's partial_rotary_factor) are what the model's rotary
+    code does, which the config alone does not say (GLM interleaves; HF's Llama ignores partial_rotary_factor):
+    `detect_rope_spec(model)` finds both by probing the model itself.
 
     transformers' init functions hard-code float32 (`dtype=torch.float`), so their inv_freq is off by up to ~6e-8
     relative, i.e. ~1e-3 rad at position 32K. We therefore evaluate the same formulas in float64 here, take
@@ -168,9 +173,14 @@ def rope_spec(config, layout: str = "split_half", layer_type: str | None = None)
         raise UnsupportedRope(f"rope_type {rope_type!r} is not supported for exact re-rotation: {why} "
                               f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     head_dim = _head_dim(config)
-    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    if rotary_dim % 2 or rotary_dim <= 0:
-        raise UnsupportedRope(f"rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    elif rotary_dim != int(head_dim * params.get("partial_rotary_factor", 1.0)):
+        # transformers' init functions read the factor from the config: give them the rotary dim asked for.
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise UnsupportedRope(f"rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even "
+                              f"and at most head_dim")
     if rope_type == "default":
         # "default" is not in ROPE_INIT_FUNCTIONS (each model class carries its own copy of the same formula, with
         # attention_scaling 1.0); tests anchor it to LlamaRotaryEmbedding and GPTNeoXRotaryEmbedding (partial rotary).
@@ -282,3 +292,117 @@ def apply_rope(raw_k: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> 
     angles = _angles(positions.to(raw_k.device), spec)
     cos, sin = angles.cos() * spec.attention_scaling, angles.sin() * spec.attention_scaling
     return _rotate(raw_k.to(torch.float64), cos, sin, spec)
+
+
+# ------------------------------------------------------------------------------------------------ spec from a model
+
+# Tolerance of the probe (max abs error / max |key|) by the model's dtype: a few roundings of the key and of cos/sin
+# (and, for a model cast with .to(dtype), of its inv_freq buffer: at most |delta| * 2^-9 rad in bf16). A wrong layout
+# or rotary dim misses by O(0.1-1) at these deltas.
+_PROBE_TOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+_PROBE_TOKENS = 24
+
+
+class _Captured(Exception):
+    """Raised by _CaptureCache once it has the first layer's keys: the rest of the forward is not needed."""
+
+
+class _CaptureCache:
+    """The cache protocol the engine gives the model (`update` per layer): keeps layer 0's keys, then stops."""
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.keys = key_states.detach()
+        raise _Captured
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _probe_attention(*args, **kwargs):
+    raise _Captured  # attention is never needed: a model that computes it before caching its keys is not probed
+
+
+_PROBE_ATTENTION = "kvsteward_rope_probe"
+
+
+def _layer0_keys(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The first layer's keys [kv_heads, n, head_dim] as the model's attention hands them to the cache (after RoPE).
+
+    Runs under a registered attention name with no mask function (as the engine's own "steward" attention), so
+    transformers builds no mask from the stub cache."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE_ATTENTION, _probe_attention)
+    cache = _CaptureCache()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = _PROBE_ATTENTION
+    try:
+        with torch.no_grad():
+            model(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+    except _Captured:
+        pass
+    finally:
+        config._attn_implementation = previous
+    return None if cache.keys is None else cache.keys[0]
+
+
+def _candidates(config, layer_type: str | None):
+    """(layout x rotary_dim) specs: rotary_dim = the config's (head_dim x partial_rotary_factor) and head_dim.
+    The config's own spec is built first so an unsupported rope type raises UnsupportedRope as from rope_spec."""
+    first = rope_spec(config, LAYOUTS[0], layer_type)
+    yield first
+    for layout in LAYOUTS:
+        for rotary_dim in dict.fromkeys((first.rotary_dim, first.head_dim)):
+            if (layout, rotary_dim) == (first.layout, first.rotary_dim):
+                continue
+            try:
+                yield rope_spec(config, layout, layer_type, rotary_dim=rotary_dim)
+            except (UnsupportedRope, RuntimeError):  # e.g. transformers' yarn formula cannot take this rotary dim
+                continue
+
+
+def detect_rope_spec(model, layer_type: str | None = None, seed: int = 0) -> RopeSpec:
+    """The RopeSpec that reproduces the model's own rotary code, found by probing the model itself.
+
+    The config does not say how a model applies RoPE: GLM rotates interleaved pairs of the first half of the head,
+    HF's Llama ignores a `partial_rotary_factor` in its config and rotates the whole head, Phi / StableLM rotate a
+    leading slice. So the same tokens are run through the model at positions p and p' (only up to the first layer's
+    cache update: those keys depend on the token alone, not on its context), and the spec (layout x rotary dim) with
+    R(p' - p) K(p) == K(p') is taken. None matching (or the model not handing keys to the cache) raises
+    UnsupportedRope: the engine refuses what it cannot re-rotate exactly.
+    """
+    config = model.config
+    name = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
+    param = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    n = _PROBE_TOKENS
+    tokens = torch.randint(0, config.vocab_size, (n,), generator=gen)
+    old = 16 + 3 * torch.arange(n)  # distinct, moderate positions: fp32 angle error stays ~1e-6
+    delta = torch.randint(-13, 14, (n,), generator=gen)
+    k_old = _layer0_keys(model, tokens.to(param.device), old.to(param.device))
+    k_new = _layer0_keys(model, tokens.to(param.device), (old + delta).to(param.device))
+    if k_old is None or k_new is None:
+        raise UnsupportedRope(f"{name}: its attention does not hand keys to past_key_values.update, so the engine "
+                              f"cannot read (or re-rotate) its keys")
+    k_old, k_new = k_old.double().cpu(), k_new.double().cpu()
+    scale = k_new.abs().max().item() or 1.0
+    tol = _PROBE_TOL.get(param.dtype, 5e-2)
+    tried = []
+    for spec in _candidates(config, layer_type):
+        if spec.head_dim != k_old.shape[-1]:
+            raise UnsupportedRope(f"{name}: keys have {k_old.shape[-1]} dims but the config says head_dim "
+                                  f"{spec.head_dim}")
+        err = (rerotate_reference(k_old, delta, spec, torch.float64) - k_new).abs().max().item() / scale
+        tried.append((err, spec))
+    err, best = min(tried, key=lambda t: t[0])
+    if err > tol:
+        got = ", ".join(f"{s.layout}/rotary_dim={s.rotary_dim}: {e:.1e}" for e, s in tried)
+        raise UnsupportedRope(f"{name}: no exact re-rotation reproduces the model's own rotary code (relative error "
+                              f"{got}; tolerance {tol:.0e}), so the engine cannot reposition its keys exactly")
+    return best

@@ -65,6 +65,29 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           valkey_url: str = typer.Option(None, help="valkey://host:port/db: a remote tier below disk"),
           spill_tier: str = typer.Option("host", help="where pace-tiered sessions keep evicted planned spans until "
                                                       "their reader step: host | disk | valkey (needs --valkey-url)"),
+          served_model_name: str = typer.Option(None, help="the model id clients see and send (default: --model, or "
+                                                           "its folder name when it is a local path)"),
+          api_key: list[str] = typer.Option(None, "--api-key", help="an accepted bearer key (repeatable); with any "
+                                                                    "key configured every path but /health needs "
+                                                                    "'Authorization: Bearer <key>'"),
+          api_keys_file: Path = typer.Option(None, help="accepted keys, one a line: 'name:key' or a bare key; '#' "
+                                                        "comments"),
+          insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
+                                                help="allow a non-loopback --host without any API key"),
+          cors_origin: list[str] = typer.Option(None, "--cors-origin", help="an origin browsers may call from "
+                                                                            "(repeatable; default: CORS off)"),
+          allowed_host: list[str] = typer.Option(None, "--allowed-host",
+                                                 help="a Host header value to accept (repeatable; '*' any; default: "
+                                                      "loopback names on a loopback --host, any otherwise)"),
+          max_messages: int = typer.Option(1024, help="most messages in one request (400 beyond)"),
+          max_prompt_tokens: int = typer.Option(None, help="most prompt tokens in one request (400 beyond; "
+                                                           "default: the model's positions)"),
+          request_timeout: float = typer.Option(None, help="seconds a request may take: decoding stops once spent "
+                                                           "(finish_reason 'length'); default: none"),
+          limit_concurrency: int = typer.Option(64, help="open connections + tasks before uvicorn answers 503"),
+          timeout_keep_alive: int = typer.Option(5, help="seconds an idle keep-alive connection stays open"),
+          max_header_bytes: int = typer.Option(16384, help="largest request head (request line + headers) "
+                                                           "accepted by the h11 parser"),
           log_level: str = typer.Option("info", help="uvicorn log level")) -> None:
     """Load the model once and serve it until interrupted."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,9 +97,35 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.engine.ops import OpsError, SessionSpec, session_spec
     from kvsteward.serve.manager.worker import AuxConfig
-    from kvsteward.serve.server.api import ServerConfig, create_app
+    from kvsteward.serve.server.api import (
+        LOOPBACK_HOSTS,
+        ServerConfig,
+        create_app,
+        is_loopback,
+        parse_api_keys,
+        public_model_id,
+    )
     from kvsteward.serve.server.completions import ServeLimits
     from kvsteward.synth.hindsight import check_aux_context
+
+    try:
+        keys = parse_api_keys(api_key or (), [api_keys_file] if api_keys_file is not None else ())
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from e
+    if not is_loopback(host) and not keys and not insecure_no_auth:
+        raise typer.BadParameter(f"--host {host} is reachable from other machines, and no API key is configured: "
+                                 "give --api-key / --api-keys-file (or --insecure-no-auth to serve without keys)")
+    limits = ServeLimits(max_tokens_default=max_tokens, max_tokens_limit=max_tokens_limit, max_messages=max_messages,
+                         max_prompt_tokens=max_prompt_tokens, request_timeout=request_timeout)
+    try:
+        limits.validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    for flag, v in (("--limit-concurrency", limit_concurrency), ("--timeout-keep-alive", timeout_keep_alive),
+                    ("--max-header-bytes", max_header_bytes)):
+        if v < 1:
+            raise typer.BadParameter(f"{flag} must be >= 1, got {v}")
+    hosts = tuple(allowed_host) if allowed_host else (LOOPBACK_HOSTS if is_loopback(host) else None)
 
     if adapter is not None and aux_base:
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
@@ -126,14 +175,27 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         defaults = session_spec(engine, SessionSpec(chunk=chunk), policy, budget, limit)
     except OpsError as e:
         raise typer.BadParameter(str(e)) from e
-    config = ServerConfig(model_name=model, defaults=defaults, cache_bytes=cache_bytes, session_bytes=session_bytes,
-                          max_body_bytes=max_body_bytes, limits=ServeLimits(max_tokens, max_tokens_limit),
+    name = served_model_name or public_model_id(model)
+    config = ServerConfig(model_name=name, defaults=defaults, cache_bytes=cache_bytes, session_bytes=session_bytes,
+                          max_body_bytes=max_body_bytes, limits=limits,
                           data_dir=data_dir, aux=aux, tiers=tiers, host_tier_bytes=host_tier_bytes,
-                          disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url, spill_tier=spill_tier)
-    console.log(f"serving {model} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
+                          disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url, spill_tier=spill_tier,
+                          api_keys=keys or None, cors_origins=tuple(cors_origin or ()), allowed_hosts=hosts)
+    console.log(f"serving {name} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
                 f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'}"
-                f"{' + planner' if aux is not None and aux.plan else ''})")
-    uvicorn.run(create_app(engine, config), host=host, port=port, log_level=log_level)
+                f"{' + planner' if aux is not None and aux.plan else ''}; "
+                f"{f'{len(keys)} API key(s)' if keys else 'no API keys'})")
+    uvicorn.run(create_app(engine, config), **uvicorn_options(host, port, log_level, limit_concurrency,
+                                                              timeout_keep_alive, max_header_bytes))
+
+
+def uvicorn_options(host: str, port: int, log_level: str, limit_concurrency: int, timeout_keep_alive: int,
+                    max_header_bytes: int) -> dict:
+    """uvicorn.run keyword arguments: the h11 parser (it bounds the request head; httptools does not), a
+    concurrency cap (503 beyond), a keep-alive timeout, no Server header."""
+    return dict(host=host, port=port, log_level=log_level, http="h11", limit_concurrency=limit_concurrency,
+                timeout_keep_alive=timeout_keep_alive, h11_max_incomplete_event_size=max_header_bytes,
+                server_header=False, timeout_graceful_shutdown=30)
 
 
 if __name__ == "__main__":

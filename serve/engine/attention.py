@@ -117,7 +117,9 @@ def steward_attention(module, query, key, value, attention_mask, scaling=None, d
     """AttentionInterface signature: query [1,Hq,q,d], key/value [1,Hkv,n,d] → ([1,q,Hq,d], None)."""
     ctx: ForwardContext = steward
     if ctx is None:
-        raise RuntimeError("steward attention called without a ForwardContext (use the engine, not model() directly)")
+        raise RuntimeError(f"steward attention called without a ForwardContext in {type(module).__name__}: either "
+                           "model() was called directly (use the engine), or this model family's layers do not pass "
+                           "their keyword arguments on to attention, so the engine cannot run it")
     q, n = query.shape[2], key.shape[2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

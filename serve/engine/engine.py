@@ -16,7 +16,7 @@ from kvsteward.serve.engine.spill import SpillStore, host_store
 class Engine:
     def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
                  close_bias: float = 0.0, min_confidence: float | None = None):
-        from kvsteward.kernels.rope import rope_spec
+        from kvsteward.kernels.rope import detect_rope_spec
         from kvsteward.models import check_close_bias, check_min_confidence
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
@@ -39,12 +39,19 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
+        if getattr(cfg, "num_key_value_heads", None) is None:
+            raise ValueError(f"{cfg.model_type} ({type(model).__name__}) is not a model family the engine runs: its "
+                             "config has no num_key_value_heads (the engine's attention path is the Llama / Qwen / "
+                             "Mistral / Phi / GLM one)")
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.rope = rope_spec(cfg)  # raises UnsupportedRope for types a static re-rotation cannot make exact
+        # The layout and rotary dim as the model's own rotary code applies them (probed on the model: GLM interleaves,
+        # HF's Llama ignores partial_rotary_factor); raises UnsupportedRope for types a static re-rotation cannot make
+        # exact and for rotary code no spec reproduces.
+        self.rope = detect_rope_spec(model)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         self._spill: SpillStore | None = None

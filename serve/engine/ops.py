@@ -19,6 +19,7 @@ Two requests share state exactly as far as these tuples agree (the session confi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,9 @@ ROLE_KIND = {"system": "system", "developer": "system", "user": "user", "assista
 class OpsError(ValueError):
     """A request whose messages / cache ops / blueprint cannot be turned into engine ops; `param` names the field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 # -- messages -------------------------------------------------------------------------------------------------------
@@ -129,9 +130,12 @@ class CacheSpec:
         return sorted(set(self.drop) | set(self.reposition))
 
 
+_INDEX_RE = re.compile(r"-?[0-9]{1,18}")  # ASCII digits only (str.isdigit() also takes '²' and '١')
+
+
 def _index(x: Any, what: str, param: str) -> int:
-    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
-        x = int(x)
+    if isinstance(x, str) and _INDEX_RE.fullmatch(x.strip()):
+        x = int(x.strip())
     if not isinstance(x, int) or isinstance(x, bool):
         raise OpsError(f"{what} {x!r} is not a message index (0-based integer)", param)
     return x
@@ -261,6 +265,9 @@ def _opt_int(x: Any, name: str, minimum: int = 1) -> int | None:
     return x
 
 
+MAX_BLUEPRINT_INT = 2**62  # well inside int64: span ends and reader steps beyond are refused at parse time
+
+
 def resolve_blueprint(data: Any, ranges: list[tuple[int, int]] | None) -> tuple[PlannedSpan, ...]:
     """Blueprint entries are engine spans `{"span": [start, end], "readers": [...]}` (logical tokens, half-open)
     or, when the messages are known (`ranges`), `{"message": j, "readers": [...]}` for the whole of message j."""
@@ -283,9 +290,13 @@ def resolve_blueprint(data: Any, ranges: list[tuple[int, int]] | None) -> tuple[
                 converted.append(entry)
         data = converted
     try:
-        return tuple(parse_blueprint(data))
+        spans = tuple(parse_blueprint(data))
     except BlueprintError as e:
         raise OpsError(str(e), "blueprint") from e
+    for k, s in enumerate(spans):  # the engine keeps spans and reader steps in int64 tensors
+        if s.end > MAX_BLUEPRINT_INT or any(r > MAX_BLUEPRINT_INT for r in s.readers):
+            raise OpsError(f"blueprint[{k}]: token and step indices must be at most {MAX_BLUEPRINT_INT}", "blueprint")
+    return spans
 
 
 def session_spec(engine, defaults: SessionSpec, policy: Any = None, budget: Any = None, limit: Any = None,

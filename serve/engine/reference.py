@@ -13,9 +13,11 @@ from transformers import DynamicCache
 
 
 def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout: str) -> torch.Tensor:
-    """R(delta) K in float64 via complex multiplication; keys [..., n, d], delta [n]; returns float64."""
+    """R(delta) K in float64 via complex multiplication; keys [..., n, d], delta [n]; returns float64. Only the first
+    2 * len(inv_freq) dims rotate (partial rotary); the rest pass through."""
     k = keys.double()
-    d = k.shape[-1]
+    d = 2 * inv_freq.shape[-1]
+    k, tail = k[..., :d], k[..., d:]
     if layout == "split_half":
         z = torch.complex(k[..., : d // 2], k[..., d // 2 :])
     else:
@@ -23,8 +25,8 @@ def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     angle = delta.double()[:, None] * inv_freq.double()[None, :]
     z = z * torch.polar(torch.ones_like(angle), angle)
     if layout == "split_half":
-        return torch.cat([z.real, z.imag], dim=-1)
-    return torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+        return torch.cat([z.real, z.imag, tail], dim=-1)
+    return torch.cat([torch.stack([z.real, z.imag], dim=-1).flatten(-2), tail], dim=-1)
 
 
 class ReferenceSession:

@@ -1,10 +1,17 @@
 """The HTTP API (FastAPI): OpenAI-compatible chat completions with AKV cache ops, persistent sessions, metrics.
 
 Endpoints: POST /v1/chat/completions, GET /v1/models, POST/GET /v1/sessions, GET/DELETE /v1/sessions/{id},
-POST /v1/sessions/{id}/messages, GET /metrics, GET /health. Every error is `{"error": {"message", "type", "param"}}`
-with a 4xx status naming the problem (5xx only for server faults); the server keeps serving after any of them.
-Handlers are sync (run in the threadpool); one model forward at a time through a shared engine lock, a scheduler
-that gives main requests priority over the aux memory-manager thread (`kvsteward.serve.manager`).
+POST /v1/sessions/{id}/messages, GET /metrics, GET /health. Every error is
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status naming the problem (5xx only for server faults,
+counted in the metrics like any other status); the server keeps serving after any of them. Handlers are sync (run in
+the threadpool); one model forward at a time through a shared engine lock, a scheduler that gives main requests
+priority over the aux memory-manager thread (`kvsteward.serve.manager`).
+
+Access (outermost first): a Host allowlist (`allowed_hosts`), CORS (off unless `cors_origins`), bearer API keys
+(`api_keys`: every path but /health; sessions belong to the key that created them), the body-size limit, and
+POST bodies only as `application/json` (415 otherwise: no cross-origin "simple" request reaches a handler); the
+middlewares live in `access.py`, body parsing and the OpenAPI request schemas in `bodies.py`, the error shape in
+`errors.py`.
 """
 
 from __future__ import annotations
@@ -16,17 +23,47 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvsteward.serve.engine.ops import OpsError, SessionSpec
-from kvsteward.serve.engine.session import CacheOpError
 from kvsteward.serve.manager.worker import AuxConfig, Scheduler
-from kvsteward.serve.server.completions import ChatService, ServeLimits, completion_id, usage
+from kvsteward.serve.server.access import (
+    LOOPBACK_HOSTS,
+    ApiKeyAuth,
+    BodyLimit,
+    HostAllowlist,
+    JsonOnly,
+    is_loopback,
+    key_owner,
+    parse_api_keys,
+    public_model_id,
+)
+from kvsteward.serve.server.bodies import (
+    ChatCompletionRequest,
+    SessionCreateRequest,
+    SessionTurnRequest,
+    body_doc,
+    idempotency_key,
+    install_openapi,
+    json_body,
+)
+from kvsteward.serve.server.completions import (
+    ChatService,
+    ServeLimits,
+    check_message_count,
+    check_prompt_size,
+    completion_id,
+    prompt_token_count,
+    usage,
+)
+from kvsteward.serve.server.errors import ApiError, error_response, install_errors
 from kvsteward.serve.server.metrics import Metrics
-from kvsteward.serve.server.store import RebuildError, SessionNotFound, SessionStore
+from kvsteward.serve.server.store import SessionStore
+
+# what callers import from here (the server's entry points; the pieces live in access / bodies / errors)
+__all__ = ["LOOPBACK_HOSTS", "ApiError", "ServerConfig", "create_app", "error_response", "is_loopback", "key_owner",
+           "make_spill", "make_tiers", "parse_api_keys", "public_model_id"]
 
 
 @dataclass
@@ -45,6 +82,9 @@ class ServerConfig:
     disk_tier_bytes: int | None = 64 << 30  # snapshots in <data_dir>/tiers (None: unbounded; beyond: Valkey/delete)
     valkey_url: str | None = None  # a Valkey/Redis tier below disk (unbounded here: Valkey's maxmemory rules)
     spill_tier: str = "host"  # where tiered arms (pace-tiered) keep evicted planned spans: host | disk | valkey
+    api_keys: dict[str, str] | None = None  # key -> owner name; None/empty: no authentication (loopback use)
+    cors_origins: tuple[str, ...] = ()  # origins allowed by CORS (none: CORS off, browsers refuse cross-origin)
+    allowed_hosts: tuple[str, ...] | None = None  # Host header allowlist (None: any host)
 
 
 def make_spill(config: ServerConfig, root: Path, metrics):
@@ -95,108 +135,10 @@ def make_tiers(config: ServerConfig, root: Path, metrics, known: set[str]):
     return st
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}}, status)
-
-
-class BodyLimit:
-    """Refuse bodies over `max_bytes`: at once from Content-Length, or while reading a chunked body."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            resp = error_response(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_bytes}",
-                                  "request_too_large")
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(f"request body exceeds the limit of {self.max_bytes} bytes")
-            return msg
-
-        return await self.app(scope, limited, send)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request", None
-    e = errs[0]
-    loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-    return (f"{loc}: {e.get('msg')}" if loc else str(e.get("msg"))), (loc or None)
-
-
-def _install_errors(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api(_, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.type, exc.param)
-
-    @app.exception_handler(OpsError)
-    async def _ops(_, exc: OpsError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
-
-    @app.exception_handler(CacheOpError)
-    async def _cacheop(_, exc: CacheOpError):
-        return error_response(400, f"cache operation refused: {exc}", "invalid_request_error", "cache")
-
-    @app.exception_handler(SessionNotFound)
-    async def _nosession(_, exc: SessionNotFound):
-        return error_response(404, f"session {exc.args[0]!r} not found", "not_found_error", "session_id")
-
-    @app.exception_handler(RebuildError)
-    async def _rebuild(_, exc: RebuildError):
-        return error_response(500, str(exc), "server_error")
-
-    @app.exception_handler(BodyTooLarge)
-    async def _large(_, exc: BodyTooLarge):
-        return error_response(413, str(exc), "request_too_large")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return error_response(400, msg, "invalid_request_error", param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _crash(_, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
-
-
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
+    from starlette.concurrency import run_in_threadpool
+    from starlette.middleware.cors import CORSMiddleware
+
     from kvsteward.paths import data_dir
 
     config = config or ServerConfig()
@@ -205,6 +147,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if config.aux is not None and config.aux.use_adapter and not engine.is_peft:
         raise ValueError("the aux thread is set to use the LoRA adapter, but the engine has none (load one with "
                          "Engine.load(..., adapter=DIR), or set use_adapter=False for the base model)")
+    config.limits.validate()
     metrics = Metrics()
     root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     engine.spill = make_spill(config, root, metrics)
@@ -218,19 +161,67 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.chat, app.state.store, app.state.metrics, app.state.config = chat, store, metrics, config
     app.state.scheduler = lock
     app.router.on_shutdown.append(store.close)
+    # middleware: the last added runs first (outermost)
+    app.add_middleware(JsonOnly)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    _install_errors(app)
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=dict(config.api_keys))
+    install_errors(app)
+    install_openapi(app)
 
     @app.middleware("http")
     async def _observe(request: Request, call_next):
         t0 = time.perf_counter()
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:  # answered by the catch-all handler outside this middleware: a 500, counted here
+            endpoint = getattr(request.scope.get("route"), "path", "unmatched")
+            metrics.requests.labels(endpoint, "500").inc()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            raise
         route = request.scope.get("route")
         endpoint = getattr(route, "path", "unmatched")
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
         if not response.headers.get("content-type", "").startswith("text/event-stream"):  # streams time themselves
             metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
         return response
+
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST",
+                           "DELETE"], allow_headers=["Authorization", "Content-Type", "Idempotency-Key"])
+    if config.allowed_hosts is not None:
+        app.add_middleware(HostAllowlist, allowed_hosts=list(config.allowed_hosts))
+
+    def owner_of(request: Request) -> str | None:
+        return getattr(request.state, "owner", None)
+
+    def check_model(body: dict) -> None:
+        model = body.get("model")
+        if model is None:
+            body["model"] = config.model_name
+        elif not isinstance(model, str):
+            raise ApiError(400, f"model must be a string naming the served model, got {type(model).__name__}",
+                           param="model")
+        elif model != config.model_name:
+            raise ApiError(404, f"the model {model[:200]!r} does not exist: this server serves "
+                                f"{config.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def check_turn_size(body: dict) -> None:
+        """A session turn's new messages against max_messages / max_prompt_tokens (rendered alone: an upper bound
+        of what they add; the whole history is checked against the model's positions by the store)."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return
+        check_message_count(len(msgs), config.limits)
+        if config.limits.max_prompt_tokens is None:
+            return
+        from kvsteward.serve.engine.ops import normalize_messages
+
+        try:
+            n = prompt_token_count(engine.tokenizer, normalize_messages(msgs), None, generation_prompt=False)
+        except OpsError:
+            return  # the store refuses these messages with its own, precise error
+        check_prompt_size(engine, config.limits, n, 0, unbounded=False)
 
     @app.get("/health")
     def health():
@@ -245,27 +236,37 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     def metrics_endpoint():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await _json_body(request)
-        body.setdefault("model", config.model_name)
+        t0 = time.monotonic()
+        body = await json_body(request)
+        check_model(body)
         n = body.get("n", 1)
-        if n != 1:
+        if n != 1 or isinstance(n, bool):
             raise ApiError(400, "only n=1 is supported (decoding is greedy)", param="n")
-        if body.get("stream"):
-            return await _stream(body)
-        from starlette.concurrency import run_in_threadpool
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise ApiError(400, f"stream must be true or false, got {type(stream).__name__}", param="stream")
+        options = body.get("stream_options")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise ApiError(400, "stream_options must be an object {'include_usage': bool}",
+                               param="stream_options")
+            if not isinstance(options.get("include_usage", False), bool):
+                raise ApiError(400, "stream_options.include_usage must be true or false",
+                               param="stream_options.include_usage")
+        if stream:
+            return await _stream(body, t0)
 
         def work():
             with lock.main():
-                return chat.complete(body)
+                return chat.complete(body, t0)
 
         return await run_in_threadpool(work)
 
-    async def _stream(body: dict):
-        from starlette.concurrency import run_in_threadpool
-
+    async def _stream(body: dict, t_arrival: float):
         t0 = time.perf_counter()
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated by the caller
         lock.begin_main()  # main work until the last byte (the aux thread waits meanwhile)
         once = threading.Lock()
 
@@ -274,11 +275,10 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 lock.end_main()
 
         try:
-            prep = await run_in_threadpool(chat.prepare, body)  # errors surface here, as a 4xx before any byte
+            prep = await run_in_threadpool(chat.prepare, body, t_arrival)  # errors: a 4xx before any byte
         except BaseException:
             end_main()
             raise
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cid, created, model = completion_id(), int(time.time()), body["model"]
 
         def chunk(delta: dict, finish: str | None, **extra) -> str:
@@ -305,37 +305,41 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(end_main))
 
     # -- persistent sessions ----------------------------------------------------------------------------------------
-    @app.post("/v1/sessions")
+    @app.post("/v1/sessions", openapi_extra=body_doc(SessionCreateRequest))
     async def create_session(request: Request):
-        from starlette.concurrency import run_in_threadpool
-
-        body = await _json_body(request)
-        rec = await run_in_threadpool(store.create, body)
+        body = await json_body(request)
+        check_model(body)
+        body.pop("model")
+        rec = await run_in_threadpool(store.create, body, owner=owner_of(request))
         return {"id": rec.id, "object": "session", "created": rec.created, "config": rec.spec.as_json()}
 
     @app.get("/v1/sessions")
-    def list_sessions():
-        return {"object": "list", "data": [{"id": sid, "object": "session"} for sid in store.ids()]}
+    def list_sessions(request: Request):
+        return {"object": "list",
+                "data": [{"id": sid, "object": "session"} for sid in store.ids(owner=owner_of(request))]}
 
     @app.get("/v1/sessions/{session_id}")
-    def get_session(session_id: str):
+    def get_session(session_id: str, request: Request):
         with lock.main():  # a restore may run forwards
-            rec = store.acquire(session_id)
+            rec = store.acquire(session_id, owner=owner_of(request))
             try:
                 return rec.describe()
             finally:
                 store.release(rec)
 
-    @app.post("/v1/sessions/{session_id}/messages")
+    @app.post("/v1/sessions/{session_id}/messages", openapi_extra=body_doc(SessionTurnRequest))
     async def session_messages(session_id: str, request: Request):
-        from starlette.concurrency import run_in_threadpool
-
-        body = await _json_body(request)
-        return await run_in_threadpool(store.run_turn, session_id, body)
+        key = idempotency_key(request)
+        body = await json_body(request)
+        check_model(body)
+        body.pop("model")
+        check_turn_size(body)
+        return await run_in_threadpool(store.run_turn, session_id, body, owner=owner_of(request),
+                                       idempotency_key=key)
 
     @app.delete("/v1/sessions/{session_id}")
-    def delete_session(session_id: str):
-        store.delete(session_id)
+    def delete_session(session_id: str, request: Request):
+        store.delete(session_id, owner=owner_of(request))
         return {"id": session_id, "object": "session.deleted", "deleted": True}
 
     return app

@@ -37,6 +37,49 @@ from kvsteward.serve.server.state import PrefixCache
 class ServeLimits:
     max_tokens_default: int = 256
     max_tokens_limit: int = 4096
+    max_messages: int | None = None  # messages of one request (a session turn: its new messages); None: no limit
+    max_prompt_tokens: int | None = None  # prompt tokens of one request, as the chat template renders them
+    request_timeout: float | None = None  # seconds from arrival; decoding stops once spent (finish_reason "length")
+
+    def validate(self) -> None:
+        for name in ("max_messages", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds or None, got {self.request_timeout!r}")
+
+
+class _Deadline(Exception):
+    pass
+
+
+@dataclass
+class TimedDecoder(Decoder):
+    """A Decoder that stops at the next token once `deadline` (time.monotonic()) has passed: the reply ends there
+    with finish_reason "length", as if max_tokens had been reached."""
+
+    deadline: float | None = None
+    timed_out: bool = False
+
+    def _step(self, tok: int) -> None:
+        expired = self.deadline is not None and time.monotonic() > self.deadline
+        if expired and not self.append_last:  # a private fork: the token is in the reply, its KV is not needed
+            raise _Deadline
+        super()._step(tok)
+        if expired:  # a persistent session keeps every token of its reply: appended before stopping
+            raise _Deadline
+
+    def __iter__(self):
+        emitted = 0
+        try:
+            for piece in super().__iter__():
+                emitted += len(piece)
+                yield piece
+        except _Deadline:
+            self.finish_reason, self.timed_out = "length", True
+            if len(self.text) > emitted:
+                yield self.text[emitted:]
 
 
 @dataclass
@@ -76,13 +119,40 @@ def stop_ids(engine) -> frozenset[int]:
     return frozenset(ids)
 
 
+def prompt_token_count(tokenizer, messages: list[dict], tools: list | None, generation_prompt: bool = True) -> int:
+    """Tokens of the whole prompt, rendered by the chat template once (linear in the messages)."""
+    from kvsteward.serve.engine.ops import _render
+
+    return len(tokenizer.encode(_render(tokenizer, messages, tools, add_generation_prompt=generation_prompt),
+                                add_special_tokens=False))
+
+
+def check_message_count(n: int, limits: ServeLimits, param: str = "messages") -> None:
+    if limits.max_messages is not None and n > limits.max_messages:
+        raise OpsError(f"{n} messages exceed this server's limit of {limits.max_messages} per request", param,
+                       "too_many_messages")
+
+
+def check_prompt_size(engine, limits: ServeLimits, n_prompt: int, n_new: int, unbounded: bool) -> None:
+    """Refuse, before any forward, a prompt over `max_prompt_tokens` or (unbounded positions, no reposition) one
+    whose prompt + max_tokens exceeds the model's positions."""
+    if limits.max_prompt_tokens is not None and n_prompt > limits.max_prompt_tokens:
+        raise OpsError(f"the prompt has {n_prompt} tokens, over this server's limit of {limits.max_prompt_tokens}",
+                       "messages", "context_length_exceeded")
+    max_pos = getattr(engine.model.config, "max_position_embeddings", None)
+    if unbounded and max_pos is not None and n_prompt + n_new > max_pos:
+        raise OpsError(f"context length exceeded: {n_prompt} prompt tokens + {n_new} max_tokens > {max_pos} "
+                       "positions of the model (lower max_tokens, drop + reposition, or use bounded positions via "
+                       "'limit')", "messages", "context_length_exceeded")
+
+
 def check_context(engine, session, n_new: int) -> None:
     """Unbounded positions must stay below the model's position range (bounded sessions renumber instead)."""
     max_pos = getattr(engine.model.config, "max_position_embeddings", None)
     if session.config.limit is None and max_pos is not None and session.next_pos + n_new > max_pos:
         raise OpsError(f"context length exceeded: next position {session.next_pos} + {n_new} new tokens > "
                        f"{max_pos} positions of the model (drop + reposition, or use bounded positions via "
-                       "'limit')", "messages")
+                       "'limit')", "messages", "context_length_exceeded")
 
 
 class ChatService:
@@ -97,19 +167,28 @@ class ChatService:
         self.checkpoints = checkpoints
         self.stop_ids = stop_ids(engine)
 
-    def prepare(self, body: dict) -> Prepared:
-        """Validate the request, build (or reuse) its prompt state, open the assistant reply."""
+    def prepare(self, body: dict, t0: float | None = None) -> Prepared:
+        """Validate the request, build (or reuse) its prompt state, open the assistant reply. Every limit is checked
+        before the first forward (a refused request leaves the prefix cache as it was). `t0`: the request's arrival
+        (time.monotonic(); the start of its `request_timeout`)."""
+        t0 = time.monotonic() if t0 is None else t0
         tok = self.engine.tokenizer
-        messages = normalize_messages(body.get("messages"))
+        raw = body.get("messages")
+        if isinstance(raw, list):
+            check_message_count(len(raw), self.limits)
+        messages = normalize_messages(raw)
         tools = body.get("tools")
+        n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
+        stops = stop_strings(body.get("stop"))
+        cache = parse_cache(body.get("cache"), len(messages))
+        bare = session_spec(self.engine, self.defaults, body.get("policy"), body.get("budget"), body.get("limit"))
+        check_prompt_size(self.engine, self.limits, prompt_token_count(tok, messages, tools), n_new,
+                          unbounded=bare.limit is None and not cache.reposition)
         pieces = message_pieces(tok, messages, tools)
         ranges = message_ranges(pieces)
         spec = session_spec(self.engine, self.defaults, body.get("policy"), body.get("budget"), body.get("limit"),
                             resolve_blueprint(body.get("blueprint"), ranges))
-        cache = parse_cache(body.get("cache"), len(messages))
         ops = build_ops(pieces, [ROLE_KIND[m["role"]] for m in messages], cache)
-        n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
-        stops = stop_strings(body.get("stop"))
         gen_prompt = generation_prompt_ids(tok, messages, tools)
 
         session, match = self._build_match(spec, ops, ranges)
@@ -123,7 +202,9 @@ class ChatService:
         check_context(self.engine, session, len(gen_prompt) + n_new)
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
-        decoder = Decoder(session, tok, self.lock, n_new, self.stop_ids, stops)
+        timeout = self.limits.request_timeout
+        decoder = TimedDecoder(session, tok, self.lock, n_new, self.stop_ids, stops,
+                               deadline=None if timeout is None else t0 + timeout)
         return Prepared(session, decoder, prompt_tokens=requested + len(gen_prompt), reused_tokens=reused, info=info)
 
     def _build(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]]):
@@ -154,9 +235,9 @@ class ChatService:
         appends = [i for i, op in enumerate(ops) if op[0] == "append"]
         return {appends[-1], appends[-1] + 1}
 
-    def complete(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        prep = self.prepare(body)
+    def complete(self, body: dict, t0: float | None = None) -> dict:
+        t0 = time.monotonic() if t0 is None else t0
+        prep = self.prepare(body, t0)
         text = prep.decoder.run()
         self.metrics.generated_tokens.inc(len(prep.decoder.tokens))
         return completion_object(body, prep, text, t0)
@@ -178,5 +259,5 @@ def completion_object(body: dict, prep: Prepared, text: str, t0: float) -> dict:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": prep.decoder.finish_reason, "logprobs": None}],
         "usage": usage(prep),
-        "kvsteward": {**prep.info, "seconds": round(time.perf_counter() - t0, 6)},
+        "kvsteward": {**prep.info, "seconds": round(time.monotonic() - t0, 6)},
     }

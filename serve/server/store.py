@@ -10,7 +10,21 @@ Log lines (`<data>/sessions/<id>.jsonl`):
 A session is rebuilt by replaying the persisted engine ops in order (appends with their exact chunks and steps,
 drops, repositions; evictions and renumbers happen again by themselves) — the same forwards in the same order, so
 the state is the one acknowledged — and the rebuilt history must equal the persisted one op for op, or the rebuild
-fails loudly. A torn last line (a kill during the write, never acknowledged) is cut off on load.
+fails loudly. A torn last line (a kill during the write, never acknowledged) is cut off on load, and kept in
+`<id>.jsonl.torn` next to the log; a log without a valid create record (empty, or its first line torn), or with an
+unreadable line before its end, is listed but refused with `CorruptSession` (only DELETE works on it).
+
+Ownership: the create record carries the session's `owner` (absent in older logs: None). Every access that names an
+owner (`create`/`ids`/`acquire`/`delete`/`run_turn`) sees only that owner's sessions — another owner's session is
+`SessionNotFound`, exactly like a missing one; owner None means no access control. The owners are indexed in memory
+(read from each log's first line at startup, and on create): listing never parses a log.
+
+Exactly-once turns: a turn sent with an idempotency key is persisted with the key, a digest of its request body and
+the whole response, all in its one fsynced record. A retry with the same key (same session) returns that stored
+response and appends nothing; the same key with another body is `IdempotencyConflict`. The turn record is written
+once, after the reply is decoded, as a single line: a kill leaves either no record (the turn was never persisted:
+the retry runs it, once) or the whole record with its answer (the retry gets the stored answer) — a persisted turn
+has no missing answer to complete. A turn without a key behaves as before (a retry is a new turn).
 
 Idle sessions beyond `max_bytes` of KV are unloaded LRU: their snapshot goes down the storage tiers (host memory →
 local disk → Valkey, `serve/engine/tiers.py`) and comes back bit for bit on the next access; a tier copy is used only
@@ -35,6 +49,7 @@ turn's ops: the same evictions happen again, checked op for op against the persi
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -64,7 +79,7 @@ from kvsteward.serve.engine.ops import (
 from kvsteward.serve.manager.planner import plan_blueprint
 from kvsteward.serve.manager.thread import fork_point, open_cursors
 from kvsteward.serve.manager.worker import AuxConfig, AuxJob, AuxWorker
-from kvsteward.serve.server.completions import check_context, max_new_tokens, stop_strings
+from kvsteward.serve.server.completions import TimedDecoder, check_context, max_new_tokens, stop_strings
 from kvsteward.serve.server.decode import Decoder
 
 ID_RE = re.compile(r"^sess_[0-9a-f]{24}$")
@@ -76,6 +91,22 @@ class SessionNotFound(KeyError):
 
 class RebuildError(RuntimeError):
     """A persisted history that does not replay to itself (a corrupt log or a nondeterministic engine)."""
+
+
+class CorruptSession(RebuildError):
+    """A session log that cannot be loaded at all: empty, no valid create record, or an unreadable line followed by
+    more records (not a torn tail). The session stays listed; every access but DELETE raises this (API: 409)."""
+
+
+class IdempotencyConflict(ValueError):
+    """An idempotency key reused with a different request body (API: 409/422)."""
+
+    def __init__(self, sid: str, key: str):
+        super().__init__(f"idempotency key {key!r} was already used in session {sid} for a different request body")
+        self.sid, self.key = sid, key
+
+
+MAX_IDEMPOTENCY_KEY = 256
 
 
 # -- the log --------------------------------------------------------------------------------------------------------
@@ -102,24 +133,57 @@ class SessionLog:
         if new:
             _fsync_dir(self.path.parent)
 
+    @property
+    def torn_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".torn")
+
     def read(self) -> list[dict]:
-        """All complete records; a torn trailing line (never acknowledged) is truncated away."""
+        """All complete records. A torn last line (a kill mid-write: never acknowledged) is cut off, after a copy of
+        it is appended (fsynced) to `<log>.torn`; an unreadable line with records after it is not a torn tail but a
+        corrupt log: `CorruptSession`, and the file is left as it is."""
         data = self.path.read_bytes()
         records, good = [], 0
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
+        lines = data.splitlines(keepends=True)
+        for i, line in enumerate(lines):
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                if not line.endswith(b"\n"):
+                    raise ValueError("no line end")
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+                if i < len(lines) - 1:
+                    raise CorruptSession(f"session log {self.path.name}: line {i + 1} is not a valid record ({e}) "
+                                         f"and {len(lines) - 1 - i} more lines follow it: the log is corrupt, "
+                                         f"not torn") from e
                 break
+            records.append(record)
             good += len(line)
         if good < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
+            self._cut(data, good)
         return records
+
+    def _cut(self, data: bytes, good: int) -> None:
+        """Keep the torn tail in `<log>.torn` (durably), then truncate the log to its last complete record."""
+        with open(self.torn_path, "ab") as f:
+            f.write(data[good:] + (b"" if data.endswith(b"\n") else b"\n"))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.path.parent)
+        with open(self.path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def head(self) -> dict | None:
+        """The create record (the first line only; None if it is missing or not a complete create record)."""
+        try:
+            with open(self.path, "rb") as f:
+                line = f.readline()
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        return record if isinstance(record, dict) and record.get("type") == "create" else None
 
 
 def model_fingerprint(engine) -> str:
@@ -196,6 +260,23 @@ def _replayed_state(turns: list[dict]) -> tuple[list[dict], set[int], set[int], 
     return messages, dropped | aux_dropped, aux_dropped, expected, blueprint
 
 
+def _idempotent_turns(turns: list[dict]) -> dict[str, dict]:
+    """Key → {"key", "body" (request digest), "response"} of the persisted turns sent with an idempotency key."""
+    return {t["idempotency"]["key"]: t["idempotency"] for t in turns if isinstance(t.get("idempotency"), dict)}
+
+
+def body_digest(body: dict) -> str:
+    """Digest of a turn's request body (canonical JSON: key order and spacing do not matter)."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_key(key) -> None:
+    if not isinstance(key, str) or not key or len(key) > MAX_IDEMPOTENCY_KEY:
+        raise OpsError(f"idempotency key must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY} characters",
+                       "idempotency_key")
+
+
 def _without(cache: CacheSpec, gone: set[int]) -> CacheSpec:
     """The cache spec without drops of messages in `gone` (already dropped by the aux thread)."""
     if not gone or not any(j in gone for js in cache.drop.values() for j in js):
@@ -225,6 +306,8 @@ class Record:
     aux_dropped: set[int] = field(default_factory=set)  # messages dropped by applied aux decisions
     blueprint: tuple[PlannedSpan, ...] | None = None  # the session's blueprint now (None: the spec's, no plan yet)
     unloaded_key: str | None = None  # history key of the state snapshotted into the tiers at unload
+    owner: str | None = None  # who may see it (None: anyone; sessions created without an owner, older logs)
+    idempotent: dict[str, dict] = field(default_factory=dict)  # key → persisted {"key", "body", "response"}
 
     def describe(self) -> dict:
         s = self.session
@@ -253,8 +336,12 @@ class SessionStore:
         self._records: dict[str, Record] = {}
         self._guard = threading.Lock()
         self.fingerprint = model_fingerprint(engine)
-        self._known = {p.stem for p in self.root.glob("sess_*.jsonl") if ID_RE.match(p.stem)}
-        self.metrics.sessions_known.set(len(self._known))
+        self._owners: dict[str, str | None] = {}  # every known session (a log on disk) → its owner
+        self._by_owner: dict[str | None, set[str]] = {}
+        for path in self.root.glob("sess_*.jsonl"):
+            if ID_RE.match(path.stem):  # the first line only; a log without a valid one: owner None
+                self._index(path.stem, (SessionLog(path).head() or {}).get("owner"))
+        self.metrics.sessions_known.set(len(self._owners))
         self.tiers = tiers
         self.aux = aux
         self.worker = None
@@ -270,12 +357,15 @@ class SessionStore:
         """Context of one main request (the aux worker starts no forward meanwhile)."""
         return self.lock.main() if hasattr(self.lock, "main") else nullcontext()
 
-    def run_turn(self, sid: str, body: dict) -> dict:
-        """A whole main turn: acquire (restore if needed), turn, release."""
+    def run_turn(self, sid: str, body: dict, owner: str | None = None, idempotency_key: str | None = None) -> dict:
+        """A whole main turn: acquire (restore if needed), turn, release. With `idempotency_key`: exactly once — a
+        retry of a persisted turn with the same key returns its stored response and appends nothing."""
+        if idempotency_key is not None:
+            _check_key(idempotency_key)
         with self.main():
-            rec = self.acquire(sid)
+            rec = self.acquire(sid, owner=owner)  # loaded: its key index is the log's
             try:
-                return self.turn(rec, body)
+                return self.turn(rec, body, idempotency_key=idempotency_key)
             finally:
                 self.release(rec)
 
@@ -284,7 +374,7 @@ class SessionStore:
             self.worker.close()
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
-    def create(self, body: dict) -> Record:
+    def create(self, body: dict, owner: str | None = None) -> Record:
         blueprint = resolve_blueprint(body.get("blueprint"), None)
         spec = session_spec(self.engine, self.defaults, body.get("policy"), body.get("budget"), body.get("limit"),
                             blueprint)
@@ -292,29 +382,49 @@ class SessionStore:
         if tools is not None and not isinstance(tools, list):
             raise OpsError("tools must be a list of tool definitions", "tools")
         sid = "sess_" + uuid.uuid4().hex[:24]
-        rec = Record(sid, spec, tools, int(time.time()), SessionLog(self.root / f"{sid}.jsonl"))
+        if owner is not None and not isinstance(owner, str):
+            raise TypeError("owner must be a string or None")
+        rec = Record(sid, spec, tools, int(time.time()), SessionLog(self.root / f"{sid}.jsonl"), owner=owner)
         rec.log.append({"type": "create", "v": 1, "id": sid, "created": rec.created, "spec": spec.as_json(),
-                        "tools": tools, "model": self.fingerprint})
+                        "tools": tools, "model": self.fingerprint, "owner": owner})
         rec.session = spec.new_session(self.engine)
         with self._guard:
             self._records[sid] = rec
-            self._known.add(sid)
+            self._index(sid, owner)
         self._touch(rec)
         return rec
 
-    def ids(self) -> list[str]:
-        with self._guard:
-            return sorted(self._known)
+    def _index(self, sid: str, owner: str | None) -> None:
+        self._owners[sid] = owner
+        self._by_owner.setdefault(owner, set()).add(sid)
 
-    def acquire(self, sid: str, load: bool = True) -> Record:
-        """The session's record, loaded (rebuilt from its log if needed); the caller holds `rec.lock`."""
+    def _unindex(self, sid: str) -> None:
+        owner = self._owners.pop(sid, None)
+        ids = self._by_owner.get(owner)
+        if ids is not None:
+            ids.discard(sid)
+            if not ids:
+                del self._by_owner[owner]
+
+    def ids(self, owner: str | None = None) -> list[str]:
+        """Known session ids (corrupt logs included); with `owner`, only that owner's (from the in-memory index)."""
+        with self._guard:
+            return sorted(self._owners if owner is None else self._by_owner.get(owner, ()))
+
+    def _visible(self, sid: str, owner: str | None) -> bool:
+        """Known, and `owner`'s (or no access control); the caller holds the guard."""
+        return sid in self._owners and (owner is None or self._owners[sid] == owner)
+
+    def acquire(self, sid: str, load: bool = True, owner: str | None = None) -> Record:
+        """The session's record, loaded (rebuilt from its log if needed); the caller holds `rec.lock`. Another
+        owner's session is `SessionNotFound`; a log that cannot be loaded at all is `CorruptSession`."""
         if not ID_RE.match(sid):
             raise SessionNotFound(sid)
         with self._guard:
+            if not self._visible(sid, owner):
+                raise SessionNotFound(sid)
             rec = self._records.get(sid)
             if rec is None:
-                if sid not in self._known:
-                    raise SessionNotFound(sid)
                 rec = self._load_record(sid)
                 self._records[sid] = rec
         rec.lock.acquire()
@@ -333,36 +443,65 @@ class SessionStore:
         rec.lock.release()
         self._touch(rec)
 
-    def delete(self, sid: str) -> None:
-        rec = self.acquire(sid, load=False)
+    def delete(self, sid: str, owner: str | None = None) -> None:
+        """Remove the session, its log (and a torn tail kept next to it) and its tier copies. Works on a log that
+        cannot be loaded (corrupt, or from another model) too: that is how such a session goes away."""
         try:
-            rec.log.path.unlink(missing_ok=True)
-            _fsync_dir(self.root)
+            rec = self.acquire(sid, load=False, owner=owner)
+        except RebuildError:  # CorruptSession included: never loaded, so no record and nothing else to release
+            with self._guard:
+                if not self._visible(sid, owner) or sid in self._records:
+                    raise
+                self._remove_files(sid)
+                self._unindex(sid)
+            self._publish()
+            return
+        try:
+            self._remove_files(sid)
             rec.deleted, rec.session, rec.aux_pending, rec.aux_job = True, None, None, None
-            if self.tiers is not None:
-                self.tiers.discard(sid)
             with self._guard:
                 self._records.pop(sid, None)
-                self._known.discard(sid)
+                self._unindex(sid)
         finally:
             rec.lock.release()
         self._publish()
 
+    def _remove_files(self, sid: str) -> None:
+        log = SessionLog(self.root / f"{sid}.jsonl")
+        log.path.unlink(missing_ok=True)
+        log.torn_path.unlink(missing_ok=True)
+        _fsync_dir(self.root)
+        if self.tiers is not None:
+            self.tiers.discard(sid)
+
     # -- loading ----------------------------------------------------------------------------------------------------
     def _load_record(self, sid: str) -> Record:
         log = SessionLog(self.root / f"{sid}.jsonl")
-        records = log.read()
-        if not records or records[0].get("type") != "create":
-            raise RebuildError(f"session {sid}: log has no create record")
+        try:
+            records = log.read()
+        except FileNotFoundError as e:
+            raise CorruptSession(f"session {sid}: its log {log.path.name} is gone") from e
+        except CorruptSession as e:
+            raise CorruptSession(f"session {sid}: {e}") from e
+        if not records:
+            raise CorruptSession(f"session {sid}: its log is empty (no create record: the create was never "
+                                 f"acknowledged); delete it")
         head = records[0]
+        if head.get("type") != "create":
+            raise CorruptSession(f"session {sid}: its log does not start with a create record; delete it")
         if head.get("model") != self.fingerprint:
             raise RebuildError(f"session {sid} was created with model {head.get('model')}; this server runs "
                                f"{self.fingerprint}: its history would replay to a different state")
-        s = head["spec"]
-        spec = SessionSpec(policy=s["policy"], budget=s["budget"], limit=s["limit"], chunk=s["chunk"],
-                           blueprint=resolve_blueprint(s["blueprint"], None))
+        try:
+            s = head["spec"]
+            spec = SessionSpec(policy=s["policy"], budget=s["budget"], limit=s["limit"], chunk=s["chunk"],
+                               blueprint=resolve_blueprint(s["blueprint"], None))
+            created = int(head["created"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptSession(f"session {sid}: its create record is invalid ({type(e).__name__}: {e}); "
+                                 f"delete it") from e
         turns = _turn_records(records)
-        rec = Record(sid, spec, head.get("tools"), head["created"], log, pending=turns)
+        rec = Record(sid, spec, head.get("tools"), created, log, pending=turns, owner=head.get("owner"))
         last = records[-1]
         if last.get("type") == "aux" and last.get("turn") == len(turns):  # decided, not yet applied by a turn
             rec.aux_pending = last["pending"]
@@ -388,6 +527,7 @@ class SessionStore:
                     if turns is not None:
                         rec.messages, rec.dropped, rec.aux_dropped, _, rec.blueprint = _replayed_state(turns)
                         rec.turns, rec.pending = len(turns), None
+                        rec.idempotent = _idempotent_turns(turns)
                     rec.session = got.session
                     self.metrics.tier_restores.labels(got.tier).inc()
                     self.metrics.tier_restore_seconds.labels(got.tier).observe(got.seconds)
@@ -417,13 +557,26 @@ class SessionStore:
             raise RebuildError(f"session {rec.id}: replay diverged from the persisted history at op {at}")
         rec.session, rec.messages, rec.dropped, rec.turns = session, messages, dropped, len(turns)
         rec.aux_dropped, rec.blueprint = aux_dropped, blueprint
+        rec.idempotent = _idempotent_turns(turns)
         rec.pending = None
         self.metrics.rebuild_seconds.observe(time.perf_counter() - t0)
         self._publish()
 
     # -- a turn -----------------------------------------------------------------------------------------------------
-    def turn(self, rec: Record, body: dict) -> dict:
-        """Append new messages (+ their cache ops), optionally generate a reply, persist, then answer."""
+    def turn(self, rec: Record, body: dict, idempotency_key: str | None = None) -> dict:
+        """Append new messages (+ their cache ops), optionally generate a reply, persist, then answer. With
+        `idempotency_key`: if a persisted turn of this session carries it, return its stored response (nothing is
+        appended; `IdempotencyConflict` if its request body differs); else the turn is persisted with the key, the
+        body's digest and the response, in its one record."""
+        digest = None
+        if idempotency_key is not None:
+            _check_key(idempotency_key)
+            digest = body_digest(body)
+            done = rec.idempotent.get(idempotency_key)
+            if done is not None:
+                if done["body"] != digest:
+                    raise IdempotencyConflict(rec.id, idempotency_key)
+                return copy.deepcopy(done["response"])
         tok = self.engine.tokenizer
         new = normalize_messages(body.get("messages") or [], allow_empty=True)
         generate = body.get("generate", body.get("max_tokens") is not None)
@@ -457,6 +610,7 @@ class SessionStore:
         if generate:
             n_new = max_new_tokens(body.get("max_completion_tokens", body.get("max_tokens")), self.limits)
             stops = stop_strings(body.get("stop"))
+        self._check_room(rec, session, msgs, ops, generate, n_new)
         h0 = len(session.history)
         job = None
 
@@ -479,6 +633,15 @@ class SessionStore:
                 record["aux"] = {**aux, "dropped": aux_msgs}
             if blueprint is not None:
                 record["blueprint"] = blueprint_json(blueprint)
+            response = {"id": rec.id, "object": "session.turn", "turn": rec.turns,
+                        "n_messages": n_old + len(new_messages), "reply": reply,
+                        "resident_tokens": session.resident, "n_logical": session.n_logical,
+                        "next_position": session.next_pos, "history_len": len(session.history),
+                        "history_key": session.history_key(), "persisted": True,
+                        "aux": None if aux is None else {**aux, "dropped": aux_msgs}}
+            if idempotency_key is not None:  # the answer is in the same fsynced line: persisted turn = answered turn
+                response = json.loads(json.dumps(response))  # as a retry will read it back
+                record["idempotency"] = {"key": idempotency_key, "body": digest, "response": response}
             rec.log.append(record)
         except BaseException:
             rec.session = None  # partly applied and never persisted: rebuild from the log on next use
@@ -496,14 +659,12 @@ class SessionStore:
             if self.plan_metrics is not None:
                 self.plan_metrics.spans.inc(len(planned))
         rec.turns += 1
+        if idempotency_key is not None:
+            rec.idempotent[idempotency_key] = copy.deepcopy(record["idempotency"])
         if job is not None:  # forked in this (now persisted) turn
             rec.aux_job = job
             self.worker.submit(rec.id)  # decodes once this request is answered (main work has priority)
-        return {"id": rec.id, "object": "session.turn", "turn": rec.turns - 1, "n_messages": len(rec.messages),
-                "reply": reply, "resident_tokens": session.resident, "n_logical": session.n_logical,
-                "next_position": session.next_pos, "history_len": len(session.history),
-                "history_key": session.history_key(), "persisted": True,
-                "aux": None if aux is None else {**aux, "dropped": aux_msgs}}
+        return response
 
     # -- the aux worker's side --------------------------------------------------------------------------------------
     def _fork(self, rec: Record, session, messages: list[dict], open_c: list[int]) -> AuxJob:
@@ -557,6 +718,17 @@ class SessionStore:
             # persisted (fsynced) before anyone can see it: a kill -9 now still applies it at the next turn
             rec.log.append({"type": "aux", "turn": rec.turns, "pending": rec.aux_pending})
 
+    def _check_room(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int) -> None:
+        """Refuse, before any forward, a turn whose tokens cannot fit the model's positions. Exact for a turn
+        without a reposition (drops do not give positions back); one that repositions is checked after its ops, as
+        it applies them (`_apply`)."""
+        if any(op[0] == "reposition" for op in ops):
+            return
+        n = sum(len(op[2]) for op in ops if op[0] == "append")
+        if generate:
+            n += len(generation_prompt_ids(self.engine.tokenizer, msgs, rec.tools)) + n_new
+        check_context(self.engine, session, n)
+
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
                stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:
         """Run the ops, then the reply. `fork`: (k, callback) — call it once the ops of the turn's k-th new message
@@ -584,7 +756,9 @@ class SessionStore:
         check_context(self.engine, session, len(gen_prompt) + n_new)
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
-        dec = Decoder(session, tok, self.lock, n_new, stop_ids(self.engine), stops, append_last=True)
+        timeout = self.limits.request_timeout  # counted from the reply's start: the turn's ops ran before it
+        dec = TimedDecoder(session, tok, self.lock, n_new, stop_ids(self.engine), stops, append_last=True,
+                           deadline=None if timeout is None else time.monotonic() + timeout)
         text = dec.run()
         self._close_reply(session, msgs, rec.tools, gen_prompt, dec)
         self.metrics.generated_tokens.inc(len(dec.tokens))
@@ -640,4 +814,4 @@ class SessionStore:
             loaded = [r for r in self._records.values() if r.session is not None]
             self.metrics.sessions_active.set(len(loaded))
             self.metrics.session_resident.set(sum(r.session.resident for r in loaded))
-            self.metrics.sessions_known.set(len(self._known))
+            self.metrics.sessions_known.set(len(self._owners))

@@ -9,6 +9,13 @@ import time
 
 from kvsteward.serve.engine import Engine
 
+TEST_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]", "testserver")  # the loopback allowlist + starlette's TestClient
+
+
+def bearer(key: str) -> dict:
+    """Request headers carrying API key `key`."""
+    return {"Authorization": f"Bearer {key}"}
+
 
 def tiny_chat_engine(seed: int = 0) -> Engine:
     """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer (loads in seconds, no weights)."""
@@ -25,13 +32,15 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """`with ServerThread(app) as url:` serves `app` until the block ends."""
+    """`with ServerThread(app) as url:` serves `app` until the block ends; `options`: more uvicorn.Config arguments
+    (e.g. `steward serve`'s limits from `cli_serve.uvicorn_options`)."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, **options):
         import uvicorn
 
         self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        options = {"log_level": "warning", **options, "host": "127.0.0.1", "port": self.port}
+        self.server = uvicorn.Server(uvicorn.Config(app, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -430,16 +430,43 @@ def plain_drop_supported(ctx: Any) -> bool:
     return not reasons
 
 
+# Model types whose SGLang rotary code is verified to be rope_spec(config, "split_half"): split-half (neox style,
+# get_rope's default) over the whole head (sglang/srt/models/{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe}.py).
+# Other families differ in ways the config alone does not say (GLM / ChatGLM / GPT-J / Cohere: interleaved; Qwen2
+# ignores a partial_rotary_factor that SGLang's Llama applies): without KVSTEWARD_ROPE_LAYOUT they re-prefill.
+_SGLANG_SPLIT_HALF_FULL_HEAD = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def _unverified_rope(config: Any, spec: RopeSpec) -> str | None:
+    """Why the split-half guess is not known to be SGLang's own rotation for this config, or None."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _SGLANG_SPLIT_HALF_FULL_HEAD:
+        return f"model type {model_type!r} has no verified RoPE layout in SGLang"
+    if getattr(config, "rope_is_neox_style", True) is False:
+        return f"{model_type} with rope_is_neox_style=False (interleaved in SGLang)"
+    if spec.rotary_dim != spec.head_dim:
+        return f"{model_type} with partial rotary ({spec.rotary_dim} of {spec.head_dim} dims): unverified in SGLang"
+    return None
+
+
 def model_rope_spec(model_config: Any) -> RopeSpec | None:
-    """The float64 RoPE spec of the served model, or None (then repositions fall back to re-prefill)."""
+    """The float64 RoPE spec of the served model, or None (then repositions fall back to re-prefill).
+
+    KVSTEWARD_ROPE_LAYOUT (split_half | interleaved) states the layout; unset, only the families whose SGLang code is
+    verified split-half over the whole head get a spec: a wrong guess would silently re-rotate to wrong keys."""
     import os
 
     from kvsteward.kernels.rope import UnsupportedRope, rope_spec
 
-    layout = os.environ.get("KVSTEWARD_ROPE_LAYOUT", "split_half")  # SGLang's neox style = HF rotate_half
+    layout = os.environ.get("KVSTEWARD_ROPE_LAYOUT")  # SGLang's neox style = HF rotate_half = "split_half"
     try:
-        return rope_spec(model_config.hf_text_config if hasattr(model_config, "hf_text_config")
-                         else model_config.hf_config, layout=layout)
+        config = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
+        spec = rope_spec(config, layout=layout or "split_half")
+        why = None if layout else _unverified_rope(config, spec)
+        if why:
+            raise UnsupportedRope(f"{why}; set KVSTEWARD_ROPE_LAYOUT=split_half or interleaved once checked against "
+                                  f"SGLang's model code")
+        return spec
     except (UnsupportedRope, AttributeError) as e:
         logger.warning("kvsteward: no exact re-rotation for this model (%s): reposition ops will re-prefill", e)
         return None
