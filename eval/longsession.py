@@ -30,6 +30,7 @@ from kvsteward.synth.chat import generation_prompt, message_token_ids
 from kvsteward.synth.longsession_schema import Session
 
 DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
+BLUEPRINT_GRANULARITIES = ("facts", "messages")
 
 
 @dataclass
@@ -44,6 +45,13 @@ class RunConfig:
     max_code_tokens: int = 160
     code: bool = True
     code_timeout: float = 10.0
+    # the oracle plan's granularity: "facts" (each needed fact's tokens: the session's layout) or "messages" (the
+    # whole message holding each needed fact: the definition step's user message, with its readers)
+    blueprint: str = "facts"
+
+    def __post_init__(self) -> None:
+        if self.blueprint not in BLUEPRINT_GRANULARITIES:
+            raise ValueError(f"blueprint granularity must be one of {BLUEPRINT_GRANULARITIES}, got {self.blueprint!r}")
 
 
 @dataclass
@@ -63,11 +71,25 @@ class ProbeRow:
     extra: dict = field(default_factory=dict)
 
 
+def plan_of(sess: Session, granularity: str = "facts") -> list[dict]:
+    """The session's oracle blueprint at `granularity`: its layout's fact spans, or each widened to the whole
+    message that holds it (spans in one message merged, their readers united)."""
+    if granularity == "facts":
+        return sess.layout.blueprint
+    offsets = sess.layout.message_offsets
+    by_message: dict[int, set[int]] = defaultdict(set)
+    for entry in sess.layout.blueprint:
+        start = entry["span"][0]
+        m = max(i for i in range(len(offsets) - 1) if offsets[i] <= start)
+        by_message[m] |= set(entry["readers"])
+    return [{"span": [offsets[m], offsets[m + 1]], "readers": sorted(r)} for m, r in sorted(by_message.items())]
+
+
 def _open_session(engine: Engine, arm: str, cfg: RunConfig, sess: Session) -> EngineSession:
     policy, bounded = ARMS[arm]
     budget = None if policy == "full" else cfg.budget
     return engine.session(arm, budget=budget, chunk=cfg.chunk, limit=cfg.limit if bounded else None,
-                          blueprint=sess.layout.blueprint)
+                          blueprint=plan_of(sess, cfg.blueprint))
 
 
 def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
@@ -203,7 +225,10 @@ def read_journals(journal: Path, cfg: RunConfig) -> dict[tuple[str, str], dict]:
 
 def _journal_key(cfg: RunConfig) -> dict:
     """What a journal line must agree on to be reused (a changed budget or limit is a different experiment)."""
-    return {k: v for k, v in cfg.__dict__.items() if k not in ("arms", "reference")}
+    key = {k: v for k, v in cfg.__dict__.items() if k not in ("arms", "reference")}
+    if key["blueprint"] == "facts":  # the default, as journals written before the option read
+        del key["blueprint"]
+    return key
 
 
 def read_journal(path: Path, cfg: RunConfig) -> dict[tuple[str, str], dict]:

@@ -61,6 +61,9 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 shard_of: str = typer.Option("", "--shard", help="I/N: play only sessions I, I+N, ... (run N "
                                              "processes with the same --out, then --report-only for the whole sweep)"),
                 code: bool = typer.Option(True, help="run the code probes (slow; near zero on a 135M model)"),
+                blueprint: str = typer.Option("facts", help="the oracle plan's granularity: facts (each needed "
+                                                            "fact's tokens) or messages (the whole message holding "
+                                                            "each)"),
                 out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
                 mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
                 report_only: bool = typer.Option(False, "--report-only", help="play nothing: report the (session, "
@@ -81,6 +84,10 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     unknown = [a for a in arm_list if a not in ARMS]
     if unknown:
         raise typer.BadParameter(f"unknown arms {unknown}; known: {sorted(ARMS)}")
+    from kvsteward.eval.longsession import BLUEPRINT_GRANULARITIES
+
+    if blueprint not in BLUEPRINT_GRANULARITIES:  # before the model loads
+        raise typer.BadParameter(f"--blueprint must be one of {BLUEPRINT_GRANULARITIES}, got {blueprint!r}")
     if sessions_file is not None and not sessions_file.is_file():  # before the model loads
         raise typer.BadParameter(f"sessions file {sessions_file} does not exist")
     with console.status(f"loading {model} ..."):
@@ -103,7 +110,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     out.mkdir(parents=True, exist_ok=True)
     if not shard_of:  # shards share the folder: only the whole sweep writes its session file
         write_jsonl(sess, out / "sessions.jsonl")
-    cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code)
+    cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code, blueprint=blueprint)
     try:
         with _pair_bar(len(sess) * len(arm_list)) as bar:
             result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only,

@@ -103,3 +103,26 @@ def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(se
     assert _strip(merged) == _strip(fresh) and merged["paired"] == fresh["paired"]
     with pytest.raises(ValueError, match="shard must be I/N"):
         ls.shard(sessions, 2, 2)
+
+
+def test_message_granularity_widens_each_fact_to_its_message(setup, tmp_path):
+    """`--blueprint messages`: every planned span is the whole message holding a needed fact (readers united), it
+    covers the fact spans and holds more tokens; a pace run under it plays, and a journal of one granularity is
+    not reused for the other."""
+    engine, sessions, cfg = setup
+    sess = sessions[0]
+    facts, whole = ls.plan_of(sess, "facts"), ls.plan_of(sess, "messages")
+    offsets = sess.layout.message_offsets
+    for w in whole:  # a whole message: from one message offset to the next
+        assert offsets.index(w["span"][1]) == offsets.index(w["span"][0]) + 1
+    for f in facts:
+        (w,) = [w for w in whole if w["span"][0] <= f["span"][0] and f["span"][1] <= w["span"][1]]
+        assert set(f["readers"]) <= set(w["readers"])
+    assert sum(b - a for a, b in (w["span"] for w in whole)) > sum(b - a for a, b in (f["span"] for f in facts))
+    journal = tmp_path / ls.JOURNAL
+    wide = ls.RunConfig(**{**cfg.__dict__, "arms": ("pace",), "budget": 384, "blueprint": "messages"})
+    ls.run(engine, [sess], wide, journal=journal)
+    with pytest.raises(ValueError, match="written with config"):
+        ls.run(engine, [sess], ls.RunConfig(**{**wide.__dict__, "blueprint": "facts"}), journal=journal)
+    with pytest.raises(ValueError, match="granularity"):
+        ls.RunConfig(blueprint="lines")

@@ -410,3 +410,18 @@ def test_session_turns_get_the_time_budget_and_the_context_check_before_forwards
     r = client.post(f"/v1/sessions/{sid}/messages", json={"messages": [{"role": "user", "content": "more"}],
                                                            "max_tokens": 2})
     assert r.status_code == 200, r.text  # the refused turn left nothing behind
+
+
+def test_a_repositioned_prompt_without_room_is_refused_before_it_is_cached(engine, tmp_path):
+    """With a `reposition` the positions it gives back are known only once it ran: the state is built, found
+    without room for the reply, and refused before it enters the prefix cache."""
+    app = make_app(engine, tmp_path)
+    client = TestClient(app)
+    cache = {"drop": {"2": [1]}, "reposition": [2]}
+    refused(post(client, {"max_tokens": 4096, "cache": cache}), 400, "messages", "context_length_exceeded")
+    assert app.state.chat.cache.states <= 1  # at most the checkpoint before the last message (a valid prefix)
+    r = post(client, {"max_tokens": 2, "cache": cache})
+    assert r.status_code == 200
+    first = r.json()["kvsteward"]["reused_tokens"]  # from the checkpoint: the refused state was not cached
+    again = post(client, {"max_tokens": 2, "cache": cache}).json()["kvsteward"]["reused_tokens"]
+    assert first < again  # the accepted state was: the whole prompt is reused now

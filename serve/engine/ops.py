@@ -83,22 +83,69 @@ def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_
         raise OpsError(f"the chat template refused these messages: {type(e).__name__}: {e}", "messages") from e
 
 
+# Below this many new messages the exact rule (one render per growing prefix) is cheap enough; above it the
+# windowed texts are tried first (`_windowed_texts`).
+WINDOWED_FROM = 8
+
+
 def message_pieces(tokenizer, messages: list[dict], tools: list | None = None, start: int = 0) -> list[list[int]]:
-    """Token ids of messages[start:], each cut from the template's rendering of growing prefixes (the same rule as
-    `kvsteward.synth.chat.message_token_ids`, which this equals for start=0), so only new messages are rendered."""
+    """Token ids of messages[start:], each the text the template's rendering of messages[:i+1] adds to that of
+    messages[:i] (the same rule as `kvsteward.synth.chat.message_token_ids`, which this equals for start=0).
+
+    Rendering every growing prefix is quadratic in the message count (1,000 short messages: ~5 s); for many new
+    messages `_windowed_texts` finds the same texts in linear time, and the exact rule runs only where it cannot."""
+    texts = None
+    if len(messages) - start >= WINDOWED_FROM:
+        texts = _windowed_texts(tokenizer, messages, tools, start)
+    if texts is None:
+        texts = _prefix_texts(tokenizer, messages, tools, start)
+    pieces = [tokenizer.encode(x, add_special_tokens=False) for x in texts]
+    for i, p in enumerate(pieces):
+        if not p:
+            raise OpsError(f"message {start + i} renders to zero tokens: nothing to append", f"messages[{start + i}]")
+    return pieces
+
+
+def _prefix_texts(tokenizer, messages: list[dict], tools: list | None, start: int) -> list[str]:
+    """The exact rule: render every growing prefix, cut what each message adds."""
     prev = _render(tokenizer, messages[:start], tools)
-    pieces = []
+    texts = []
     for i in range(start, len(messages)):
         full = _render(tokenizer, messages[: i + 1], tools)
         if not full.startswith(prev):
             raise OpsError(f"the chat template is not prefix-stable at message {i}: it cannot be split into "
                            "per-message appends", "messages")
-        pieces.append(tokenizer.encode(full[len(prev):], add_special_tokens=False))
+        texts.append(full[len(prev):])
         prev = full
-    for i, p in enumerate(pieces):
-        if not p:
-            raise OpsError(f"message {start + i} renders to zero tokens: nothing to append", f"messages[{start + i}]")
-    return pieces
+    return texts
+
+
+def _windowed_texts(tokenizer, messages: list[dict], tools: list | None, start: int) -> list[str] | None:
+    """What each message adds, rendered in a window (the first message, then it) instead of its whole prefix: for
+    a template that renders a message from its own fields and the conversation's opening (ChatML, SmolLM2, Llama,
+    Qwen without reasoning) the texts are the exact rule's. They are taken only if they rebuild the whole rendering
+    and the exact prefix renderings at a few cut points (linear: a constant number of whole renders); else None."""
+    try:
+        head = messages[:1]
+        base = _render(tokenizer, head, tools)
+        texts = []
+        for i in range(max(start, 1), len(messages)):
+            window = _render(tokenizer, head + [messages[i]], tools)
+            if not window.startswith(base):
+                return None
+            texts.append(window[len(base):])
+        if start == 0:
+            texts.insert(0, base)
+        prev = _render(tokenizer, messages[:start], tools)
+        if prev + "".join(texts) != _render(tokenizer, messages, tools):
+            return None
+        n = len(messages) - start
+        for k in sorted({1, n // 3, (2 * n) // 3, n - 1} - {0}):  # cut points: prefix renderings, exactly
+            if _render(tokenizer, messages[: start + k], tools) != prev + "".join(texts[:k]):
+                return None
+    except OpsError:  # a template refusing a window (role order): the exact rule decides
+        return None
+    return texts
 
 
 def generation_prompt_ids(tokenizer, messages: list[dict], tools: list | None = None) -> list[int]:

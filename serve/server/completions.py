@@ -191,7 +191,7 @@ class ChatService:
         ops = build_ops(pieces, [ROLE_KIND[m["role"]] for m in messages], cache)
         gen_prompt = generation_prompt_ids(tok, messages, tools)
 
-        session, match = self._build_match(spec, ops, ranges)
+        session, match = self._build_match(spec, ops, ranges, room=len(gen_prompt) + n_new)
         depth = match.depth
         reused = sum(op_tokens(op) for op in ops[:depth])
         requested = ranges[-1][1]
@@ -199,7 +199,6 @@ class ChatService:
         info = {"reused_tokens": reused, "resident_tokens": session.resident, "history_len": len(session.history),
                 "history_key": session.history_key(), "next_position": session.next_pos,
                 "prefix_match": match.kind}
-        check_context(self.engine, session, len(gen_prompt) + n_new)
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
         timeout = self.limits.request_timeout
@@ -212,9 +211,12 @@ class ChatService:
         session, match = self._build_match(spec, ops, ranges)
         return session, match.depth
 
-    def _build_match(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]]):
+    def _build_match(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]], room: int | None = None):
         """Fork the deepest cached prefix (exact, or a repositioned version of it restored by re-rotation: see
-        `PrefixCache.lookup`), apply the rest, cache the result (and checkpoints on the way); (session, Match)."""
+        `PrefixCache.lookup`), apply the rest, cache the result (and checkpoints on the way); (session, Match).
+        `room`: tokens still to come (generation prompt + reply); a state without room for them below the model's
+        positions is refused (`check_context`) before it is cached — what a `reposition` gives back is known only
+        once it ran."""
         match = self.cache.lookup(spec, ops, self.lock)
         session, depth = match.session, match.depth
         if session is None:
@@ -224,6 +226,8 @@ class ChatService:
             apply_op(session, ops[i], ranges, self.lock)
             if i + 1 in marks and i + 1 < len(ops):
                 self.cache.insert(spec, ops[: i + 1], session)
+        if room is not None:
+            check_context(self.engine, session, room)
         if depth < len(ops) or match.kind == "compatible":  # a restored state(ops) is not held yet either
             self.cache.insert(spec, ops, session)
         return session, match
