@@ -158,6 +158,21 @@ def _score_probe(engine: Engine, s: EngineSession, probe, row: ProbeRow, cfg: Ru
     return [t for t in generated if t not in stop]
 
 
+def _by_fact(facts: list[ProbeRow]) -> dict[str, dict]:
+    """Per fact kind (`fact:quantum`, ...): forced-prefix accuracy, answered / played, and the wrong answers (the
+    greedy text up to its closing quote) with how often each came: which facts an arm misses, and how."""
+    out: dict[str, dict] = {}
+    for probe in sorted({r.probe for r in facts}):
+        rs = [r for r in facts if r.probe == probe]
+        wrong: dict[str, int] = defaultdict(int)
+        for r in rs:
+            if not r.score:
+                wrong[str(r.extra.get("generated", "")).split('"', 1)[0].strip()[:24]] += 1
+        out[probe] = {"forced_acc": scoring.mean([r.score for r in rs]), "answered": int(sum(r.score for r in rs)),
+                      "n": len(rs), "misses": dict(sorted(wrong.items(), key=lambda kv: (-kv[1], kv[0])))}
+    return out
+
+
 def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, int], cfg: RunConfig) -> dict:
     """The benchmark JSON: per arm and distance, plus paired comparisons against the reference arm."""
     by = defaultdict(lambda: defaultdict(list))
@@ -173,7 +188,8 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
                              "recall": scoring.mean([r.score for r in rs if r.kind == "recall"]),
                              "code_acc": scoring.mean([r.score for r in rs if r.kind == "code"]),
                              "residency": scoring.mean([r.residency for r in facts]),
-                             "rotary_gap": scoring.mean([r.rotary_gap for r in facts]), "n": len(facts)}
+                             "rotary_gap": scoring.mean([r.rotary_gap for r in facts]), "n": len(facts),
+                             "by_fact": _by_fact(facts)}
         arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0)}
     paired = {}
     if cfg.reference in cfg.arms:

@@ -76,6 +76,15 @@ def markdown(result: dict) -> str:
             if c:
                 lines.append(f"| {arm} | {d} | {c['n']} | {_fmt(c['forced_acc'])} | {_fmt(c['gold_nll'])} | "
                              f"{_fmt(c['recall'])} | {_fmt(c['residency'])} | {_fmt(c['rotary_gap'], 0)} |")
+    per_fact = [(arm, d, c["by_fact"]) for arm, rec in result["arms"].items() for d in dists
+                if (c := rec["by_distance"].get(d)) and c.get("by_fact")]
+    if per_fact:  # which facts an arm misses, and what it answers instead
+        lines += ["", "## Per fact (answered / played; the most frequent wrong answers)", "",
+                  "| arm | D | fact | answered | wrong answers (count) |", "|---|---|---|---|---|"]
+        for arm, d, facts in per_fact:
+            for fact, f in facts.items():
+                wrong = ", ".join(f"`{w or '∅'}` ×{k}" for w, k in list(f["misses"].items())[:4])
+                lines.append(f"| {arm} | {d} | {fact.split(':', 1)[-1]} | {f['answered']}/{f['n']} | {wrong} |")
     paired = result.get("paired") or {}
     if paired:
         ref = result.get("reference", "the reference arm")

@@ -76,3 +76,22 @@ def test_log_to_mlflow_default_local_store(tmp_path, monkeypatch):
     assert run.info.artifact_uri.startswith((home.resolve() / "mlartifacts").as_uri())
     names = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id)}
     assert {"report.md", "results.json", "acc_vs_distance.png", "acc_vs_rotary_gap.png"} <= names
+
+
+def test_per_fact_breakdown_counts_answers_and_names_the_wrong_ones():
+    """`summarize` gives each fact kind its answered / played and the wrong answers by count (the text up to the
+    closing quote); the report prints them."""
+    from kvsteward.eval.longsession import ProbeRow, RunConfig, summarize
+
+    def row(session, probe, score, text):
+        return ProbeRow(session, 1024, "pace", probe, "fact", score, extra={"generated": text})
+
+    rows = [row("s1", "fact:quantum", 0.0, '0.00")'), row("s2", "fact:quantum", 0.0, '1.50")\nFEE'),
+            row("s3", "fact:quantum", 0.0, '0.00")'), row("s4", "fact:quantum", 1.0, '0.05")'),
+            row("s1", "fact:fee_rate", 1.0, '0.0559")')]
+    result = summarize(rows, {}, {}, RunConfig(arms=("pace",), code=False))
+    facts = result["arms"]["pace"]["by_distance"]["1024"]["by_fact"]
+    assert facts["fact:quantum"] == {"forced_acc": 0.25, "answered": 1, "n": 4, "misses": {"0.00": 2, "1.50": 1}}
+    assert facts["fact:fee_rate"]["misses"] == {} and facts["fact:fee_rate"]["answered"] == 1
+    text = markdown(result)
+    assert "| pace | 1024 | quantum | 1/4 | `0.00` ×2, `1.50` ×1 |" in text
