@@ -71,3 +71,25 @@ def manager_setup():
     traces = [t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4][:2]
     assert traces
     return engine, traces
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_state_isolated():
+    """MLflow keeps the tracking / registry URI and the active experiment in module globals and mirrors them into
+    MLFLOW_* variables (set_experiment exports MLFLOW_EXPERIMENT_ID; set_registry_uri(None) does not unset its
+    variable): every test starts from the environment it found, so no test reads another's store or experiment."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    yield
+    if "mlflow" in sys.modules:  # never import it just for this
+        import mlflow
+        from mlflow.tracking import fluent
+
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+        fluent._active_experiment_id = None
+    for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[k]
+    os.environ.update(env)

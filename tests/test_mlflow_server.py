@@ -26,24 +26,6 @@ torch.set_num_threads(1)
 _START_TIMEOUT_S = 60
 
 
-@pytest.fixture(autouse=True)
-def _mlflow_state_restored():
-    """MLflow keeps the tracking / registry URI and the active experiment in module globals and mirrors them into
-    MLFLOW_* environment variables (`set_registry_uri(None)` does not even unset its variable): put every one back,
-    so the tests after these do not talk to a server that is gone (or look for its experiment ids)."""
-    import mlflow
-    from mlflow.tracking import fluent
-
-    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
-    yield
-    mlflow.set_tracking_uri(None)
-    mlflow.set_registry_uri(None)
-    fluent._active_experiment_id = None
-    for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
-        del os.environ[k]
-    os.environ.update(env)
-
-
 def _free_port() -> int:
     import socket
 
