@@ -11,6 +11,7 @@ query position, resident slots and KV bytes.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -79,8 +80,7 @@ def plan_of(sess: Session, granularity: str = "facts") -> list[dict]:
     offsets = sess.layout.message_offsets
     by_message: dict[int, set[int]] = defaultdict(set)
     for entry in sess.layout.blueprint:
-        start = entry["span"][0]
-        m = max(i for i in range(len(offsets) - 1) if offsets[i] <= start)
+        m = bisect.bisect_right(offsets, entry["span"][0]) - 1  # the message whose range holds the span's start
         by_message[m] |= set(entry["readers"])
     return [{"span": [offsets[m], offsets[m + 1]], "readers": sorted(r)} for m, r in sorted(by_message.items())]
 

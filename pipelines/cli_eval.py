@@ -84,10 +84,10 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     unknown = [a for a in arm_list if a not in ARMS]
     if unknown:
         raise typer.BadParameter(f"unknown arms {unknown}; known: {sorted(ARMS)}")
-    from kvsteward.eval.longsession import BLUEPRINT_GRANULARITIES
-
-    if blueprint not in BLUEPRINT_GRANULARITIES:  # before the model loads
-        raise typer.BadParameter(f"--blueprint must be one of {BLUEPRINT_GRANULARITIES}, got {blueprint!r}")
+    try:  # RunConfig checks its fields: before the model loads
+        cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code, blueprint=blueprint)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     if sessions_file is not None and not sessions_file.is_file():  # before the model loads
         raise typer.BadParameter(f"sessions file {sessions_file} does not exist")
     with console.status(f"loading {model} ..."):
@@ -110,7 +110,6 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     out.mkdir(parents=True, exist_ok=True)
     if not shard_of:  # shards share the folder: only the whole sweep writes its session file
         write_jsonl(sess, out / "sessions.jsonl")
-    cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code, blueprint=blueprint)
     try:
         with _pair_bar(len(sess) * len(arm_list)) as bar:
             result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only,
