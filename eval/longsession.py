@@ -28,6 +28,7 @@ from kvsteward.serve.engine import Engine
 from kvsteward.serve.engine.policies import ARMS
 from kvsteward.serve.engine.session import Session as EngineSession
 from kvsteward.synth.chat import generation_prompt, message_token_ids
+from kvsteward.synth.longsession_planner import PLANNERS
 from kvsteward.synth.longsession_schema import Session
 
 DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
@@ -49,10 +50,18 @@ class RunConfig:
     # the oracle plan's granularity: "facts" (each needed fact's tokens: the session's layout) or "messages" (the
     # whole message holding each needed fact: the definition step's user message, with its readers)
     blueprint: str = "facts"
+    # who made the plan the foresight arms follow: "oracle" (the generator's record) or a planner of
+    # `synth.longsession_planner` (its plans are passed to `run` as `plans`)
+    planner: str = "oracle"
 
     def __post_init__(self) -> None:
         if self.blueprint not in BLUEPRINT_GRANULARITIES:
             raise ValueError(f"blueprint granularity must be one of {BLUEPRINT_GRANULARITIES}, got {self.blueprint!r}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.planner != "oracle" and self.blueprint != "messages":
+            raise ValueError(f"the {self.planner} planner names whole messages, not fact tokens: use "
+                             "--blueprint messages with it")
 
 
 @dataclass
@@ -85,11 +94,12 @@ def plan_of(sess: Session, granularity: str = "facts") -> list[dict]:
     return [{"span": [offsets[m], offsets[m + 1]], "readers": sorted(r)} for m, r in sorted(by_message.items())]
 
 
-def _open_session(engine: Engine, arm: str, cfg: RunConfig, sess: Session) -> EngineSession:
+def _open_session(engine: Engine, arm: str, cfg: RunConfig, sess: Session,
+                  blueprint: list[dict] | None = None) -> EngineSession:
     policy, bounded = ARMS[arm]
     budget = None if policy == "full" else cfg.budget
     return engine.session(arm, budget=budget, chunk=cfg.chunk, limit=cfg.limit if bounded else None,
-                          blueprint=plan_of(sess, cfg.blueprint))
+                          blueprint=plan_of(sess, cfg.blueprint) if blueprint is None else blueprint)
 
 
 def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
@@ -103,12 +113,14 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
 
 
 def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
-         on_message: Callable[[EngineSession], None] | None = None) -> tuple[list[ProbeRow], int]:
+         on_message: Callable[[EngineSession], None] | None = None,
+         blueprint: list[dict] | None = None) -> tuple[list[ProbeRow], int]:
     """One session through one arm; returns a row per probe and the session's peak resident slots.
-    `on_message` is called after every context message (progress bars)."""
+    `on_message` is called after every context message (progress bars); `blueprint` replaces the oracle plan
+    (a planner's)."""
     tok = engine.tokenizer
     messages = [m.model_dump() for m in sess.messages]
-    s = _open_session(engine, arm, cfg, sess)
+    s = _open_session(engine, arm, cfg, sess, blueprint)
     for msg, ids in zip(messages, message_token_ids(tok, messages), strict=True):
         s.append(ids, kind=msg["role"], logits=None)
         if on_message:
@@ -244,6 +256,8 @@ def _journal_key(cfg: RunConfig) -> dict:
     key = {k: v for k, v in cfg.__dict__.items() if k not in ("arms", "reference")}
     if key["blueprint"] == "facts":  # the default, as journals written before the option read
         del key["blueprint"]
+    if key["planner"] == "oracle":  # likewise
+        del key["planner"]
     return key
 
 
@@ -291,11 +305,14 @@ class PairBar(Protocol):
 
 def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
         progress: Callable[[str], None] | None = None, journal: Path | None = None,
-        play_missing: bool = True, bar: PairBar | None = None) -> dict:
+        play_missing: bool = True, bar: PairBar | None = None, plans: dict[str, list[dict]] | None = None) -> dict:
     """Every arm on every session. With `journal`, finished (session, arm) pairs are appended to it as they end
     and pairs already in it are not played again (resume after a crash or a kill; `play_missing=False` only
     summarizes what the journal holds — a partial sweep). Finished pairs are read from every `journal*.jsonl` next
-    to `journal` (shards of the same sweep), new ones are written to `journal` only."""
+    to `journal` (shards of the same sweep), new ones are written to `journal` only. `plans` (session id →
+    blueprint) is the planner's plan for each session; required unless `cfg.planner` is the oracle."""
+    if cfg.planner != "oracle" and play_missing and (plans is None or any(s.id not in plans for s in sessions)):
+        raise ValueError(f"planner {cfg.planner!r}: every session to play needs its plan in `plans`")
     rows: list[ProbeRow] = []
     walls: dict[str, float] = defaultdict(float)
     peaks: dict[str, int] = defaultdict(int)
@@ -311,7 +328,8 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
                 t0 = time.perf_counter()
                 if bar:
                     bar.start(f"session {i + 1}/{len(sessions)} D={sess.distance} {arm}", len(sess.messages))
-                got, peak = play(engine, sess, arm, cfg, on_message=(lambda _: bar.advance()) if bar else None)
+                got, peak = play(engine, sess, arm, cfg, on_message=(lambda _: bar.advance()) if bar else None,
+                                 blueprint=plans[sess.id] if cfg.planner != "oracle" else None)
                 wall = time.perf_counter() - t0
                 if journal:
                     _append_journal(journal, cfg, sess, arm, got, wall, peak)

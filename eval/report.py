@@ -59,9 +59,25 @@ def _fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _plan_lines(result: dict) -> list[str]:
+    """Who made the foresight arms' plan, said plainly (an oracle plan is the generator's own record)."""
+    plan = result.get("planner")
+    granularity = (result.get("config") or {}).get("blueprint", "facts")
+    if not plan:
+        return []
+    if plan.get("oracle"):
+        return [f"Plan: **oracle** (the generator's record of what each probe reads; {granularity} granularity).", ""]
+    return [f"Plan: **{plan['name']}** planner, {granularity} granularity — edge recall {plan['edge_recall']:.2f}, "
+            f"precision {plan['edge_precision']:.2f} against the oracle (fact probes "
+            f"{plan['fact_edge_recall']:.2f} / {plan['fact_edge_precision']:.2f}), "
+            f"{plan['planned_tokens_mean']:.0f} planned tokens per session, {plan['parse_failures']} parse failures.",
+            ""]
+
+
 def markdown(result: dict) -> str:
     dists = _distances(result)
-    lines = ["# Long-session benchmark", "", "## Forced-prefix accuracy (arm × distance D in tokens)", "",
+    lines = ["# Long-session benchmark", "", *_plan_lines(result),
+             "## Forced-prefix accuracy (arm × distance D in tokens)", "",
              "| arm | " + " | ".join(f"D={d}" for d in dists) + " | peak resident slots | wall s |",
              "|---|" + "---|" * (len(dists) + 2)]
     for arm, rec in result["arms"].items():

@@ -64,6 +64,17 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 blueprint: str = typer.Option("facts", help="the oracle plan's granularity: facts (each needed "
                                                             "fact's tokens) or messages (the whole message holding "
                                                             "each)"),
+                planner: str = typer.Option("oracle", help="who makes the foresight arms' plan: oracle (the "
+                                            "generator's record), lexical (TF-IDF over the messages), previous (the "
+                                            "message before the probes), llm (a model; needs --blueprint messages, "
+                                            "as every planner but the oracle)"),
+                planner_model: str = typer.Option("smollm2", help="model of --planner llm (or the endpoint's model "
+                                                  "name)"),
+                endpoint: str | None = typer.Option(None, help="OpenAI-compatible base URL for --planner llm instead "
+                                                    "of a local model"),
+                message_chars: int = typer.Option(200, help="characters of each message the llm planner is shown"),
+                plan_only: bool = typer.Option(False, "--plan-only", help="make the plans, report the planner's "
+                                               "edges against the oracle, play nothing"),
                 out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
                 mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
                 report_only: bool = typer.Option(False, "--report-only", help="play nothing: report the (session, "
@@ -85,7 +96,8 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     if unknown:
         raise typer.BadParameter(f"unknown arms {unknown}; known: {sorted(ARMS)}")
     try:  # RunConfig checks its fields: before the model loads
-        cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code, blueprint=blueprint)
+        cfg = RunConfig(arms=arm_list, budget=budget, chunk=chunk, limit=limit, code=code, blueprint=blueprint,
+                        planner=planner)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     if sessions_file is not None and not sessions_file.is_file():  # before the model loads
@@ -110,25 +122,63 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
     out.mkdir(parents=True, exist_ok=True)
     if not shard_of:  # shards share the folder: only the whole sweep writes its session file
         write_jsonl(sess, out / "sessions.jsonl")
+    plans, plan_info = _session_plans(sess, cfg.planner, planner_model, endpoint, message_chars, engine)
+    if plan_only:
+        (out / "plans.json").write_text(json.dumps(plan_info, indent=1) + "\n")
+        if as_json:
+            print(json.dumps(plan_info))
+        return
     try:
         with _pair_bar(len(sess) * len(arm_list)) as bar:
             result = run(engine, sess, cfg, progress=console.log, journal=journal, play_missing=not report_only,
-                         bar=bar)
+                         bar=bar, plans=plans)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from e
     result["model"] = model
+    result["planner"] = plan_info
     paths = write_report(result, out)
     console.print(paths["markdown"].read_text())
     if mlflow_log:
         params = {"model": model, "arms": arms, "length": length, "distances": distances, "budget": budget,
                   "chunk": chunk, "limit": limit, "sessions": len(sess), "seed": seed,
-                  "sessions_file": str(sessions_file or "")}
+                  "sessions_file": str(sessions_file or ""), "blueprint": blueprint, "planner": plan_info["name"]}
         result["mlflow_run_id"] = log_to_mlflow(result, out, params)
     if as_json:
         print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items()
                           if k not in ("probes", "other_probes")}
                          | {"mlflow_run_id": result.get("mlflow_run_id")}))
+
+
+def _session_plans(sessions: list, planner: str, model: str, endpoint: str | None, message_chars: int,
+                   engine) -> tuple[dict[str, list[dict]] | None, dict]:
+    """The planner's blueprint per session id (None for the oracle: each session's own) and what the report says
+    of it: name, edge recall / precision against the oracle (overall and fact probes), planned tokens."""
+    from kvsteward.synth import longsession_planner as lp
+
+    if planner == "oracle":
+        return None, {"name": "oracle", "oracle": True}
+    llm, name = None, planner
+    if planner == "llm":
+        from kvsteward.synth import planner as pl
+
+        if endpoint:
+            complete, name = pl.endpoint_completer(endpoint, model, 24), f"llm:{model}@endpoint"
+        else:
+            complete, name = pl.engine_completer(engine, 8), f"llm:{model}"
+        llm = lp.LLMSessionPlanner(complete, name=name, message_chars=message_chars)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as p:
+        job = p.add_task(f"planning with {name}", total=len(sessions))
+        reads, failures = lp.plan_sessions(sessions, planner, llm, on_session=lambda: p.advance(job))
+    info = {"name": name, "oracle": False, **lp.score(sessions, reads), "parse_failures": failures,
+            "reads": {s.id: r for s, r in zip(sessions, reads, strict=True)}}
+    console.log(f"plan by {name}: edge recall {info['edge_recall']:.2f}, precision {info['edge_precision']:.2f} "
+                f"(fact probes {info['fact_edge_recall']:.2f} / {info['fact_edge_precision']:.2f}), "
+                f"{info['planned_tokens_mean']:.0f} planned tokens per session")
+    return {s.id: lp.blueprint_of(s, r) for s, r in zip(sessions, reads, strict=True)}, info
 
 
 def _min_confidence(value: float | None, flag: str) -> float | None:

@@ -142,7 +142,11 @@ def local_completer(model: str, max_new_tokens: int = 6) -> Complete:
     transformers' generate() gives, tested), continuing after the answer prefix."""
     from kvsteward.serve.engine import Engine
 
-    engine = Engine.load(model)
+    return engine_completer(Engine.load(model), max_new_tokens)
+
+
+def engine_completer(engine, max_new_tokens: int = 6) -> Complete:
+    """`local_completer` on an engine already loaded (no second copy of the model)."""
     tok = engine.tokenizer
 
     def complete(messages: list[dict[str, str]], prefix: str = "") -> str:

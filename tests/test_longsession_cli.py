@@ -58,3 +58,27 @@ def test_engine_demo_runs_and_keeps_the_budget(tiny_folder):
     # max position: h2o keeps the original positions; pace renumbers below L and keeps the definitions (foresight)
     assert int(rows["h2o"][3]) > 1000 and int(rows["pace"][3]) < 512, rows
     assert float(rows["pace"][4]) == 1.0 and float(rows["h2o"][4]) < 1.0, rows
+
+
+def test_planner_option_reports_its_edges_and_says_the_plan_is_not_the_oracle(tiny_folder, tmp_path):
+    common = ["eval", "longsession", "--model", str(tiny_folder), "--arms", "h2o,pace", "--budget", "128",
+              "--chunk", "64", "--limit", "512", "--no-code", "--no-mlflow", "--json", "--length", "1200",
+              "--distances", "300", "--sessions", "1", "--seed", "4"]
+    refused = _steward(*common, "--planner", "lexical", "--out", str(tmp_path / "bad"))
+    assert refused.returncode == 2 and "--blueprint messages" in refused.stderr
+    assert not (tmp_path / "bad").exists()  # refused before anything is played or written
+
+    out = tmp_path / "lexical"
+    res = _steward(*common, "--planner", "lexical", "--blueprint", "messages", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    plan = json.loads(res.stdout.strip().splitlines()[-1])["planner"]
+    assert plan["name"] == "lexical" and plan["oracle"] is False
+    assert 0 <= plan["edge_recall"] <= 1 and plan["oracle_edges"] > 0 and plan["reads"]
+    assert "Plan: **lexical** planner" in (out / "report.md").read_text()
+    only = _steward(*common, "--planner", "lexical", "--blueprint", "messages", "--plan-only", "--out",
+                    str(tmp_path / "only"))
+    assert only.returncode == 0, only.stderr[-2000:]
+    assert json.loads(only.stdout.strip().splitlines()[-1]) == plan  # the same plan, nothing played
+    assert (tmp_path / "only" / "plans.json").exists() and not (tmp_path / "only" / "journal.jsonl").exists()
+    oracle = _steward(*common, "--out", str(tmp_path / "oracle"))
+    assert "Plan: **oracle**" in (tmp_path / "oracle" / "report.md").read_text(), oracle.stderr[-2000:]
