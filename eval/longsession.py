@@ -11,7 +11,6 @@ query position, resident slots and KV bytes.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import time
@@ -28,7 +27,7 @@ from kvsteward.serve.engine import Engine
 from kvsteward.serve.engine.policies import ARMS
 from kvsteward.serve.engine.session import Session as EngineSession
 from kvsteward.synth.chat import generation_prompt, message_token_ids
-from kvsteward.synth.longsession_planner import PLANNERS
+from kvsteward.synth.longsession_planner import PLANNERS, blueprint_of, oracle_reads
 from kvsteward.synth.longsession_schema import Session
 
 DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
@@ -82,16 +81,11 @@ class ProbeRow:
 
 
 def plan_of(sess: Session, granularity: str = "facts") -> list[dict]:
-    """The session's oracle blueprint at `granularity`: its layout's fact spans, or each widened to the whole
-    message that holds it (spans in one message merged, their readers united)."""
+    """The session's oracle blueprint at `granularity`: its layout's fact spans, or the whole message holding each
+    needed fact (the oracle's reads as a planner would give them: one entry per message, readers united)."""
     if granularity == "facts":
         return sess.layout.blueprint
-    offsets = sess.layout.message_offsets
-    by_message: dict[int, set[int]] = defaultdict(set)
-    for entry in sess.layout.blueprint:
-        m = bisect.bisect_right(offsets, entry["span"][0]) - 1  # the message whose range holds the span's start
-        by_message[m] |= set(entry["readers"])
-    return [{"span": [offsets[m], offsets[m + 1]], "readers": sorted(r)} for m, r in sorted(by_message.items())]
+    return blueprint_of(sess, oracle_reads(sess))
 
 
 def _open_session(engine: Engine, arm: str, cfg: RunConfig, sess: Session,

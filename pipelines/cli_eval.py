@@ -21,13 +21,18 @@ def _ints(text: str) -> list[int]:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _progress(transient: bool = False):
+    """A rich progress display on stderr: description, bar, done / total, elapsed."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=transient)
+
+
 @contextmanager
 def _pair_bar(pairs: int):
     """Two bars on stderr: (session, arm) pairs of the sweep, and the context messages of the pair being played."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as prog:
+    with _progress() as prog:
         overall = prog.add_task("pairs", total=pairs)
         current = prog.add_task("", total=1, visible=False)
 
@@ -167,10 +172,7 @@ def _session_plans(sessions: list, planner: str, model: str, endpoint: str | Non
         else:
             complete, name = pl.engine_completer(engine, 8), f"llm:{model}"
         llm = lp.LLMSessionPlanner(complete, name=name, message_chars=message_chars)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as p:
+    with _progress(transient=True) as p:
         job = p.add_task(f"planning with {name}", total=len(sessions))
         reads, failures = lp.plan_sessions(sessions, planner, llm, on_session=lambda: p.advance(job))
     info = {"name": name, "oracle": False, **lp.score(sessions, reads), "parse_failures": failures,

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsteward.synth.longsession_schema import Probe, Session
-from kvsteward.synth.planner import Complete, Tally, parse_cursor_ids
+from kvsteward.synth.planner import Complete, Tally, _clip, parse_cursor_ids
 
 # probe id -> context message indices it reads
 Reads = dict[str, list[int]]
@@ -120,11 +120,6 @@ class LLMSessionPlanner:
             if on_probe:
                 on_probe()
         return out, failures
-
-
-def _clip(text: str, n: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def blueprint_of(sess: Session, reads: Reads) -> list[dict]:

@@ -3,6 +3,7 @@ planner's plan instead of the oracle's."""
 
 from __future__ import annotations
 
+import bisect
 import json
 
 import pytest
@@ -24,9 +25,20 @@ def sessions(engine):
     return generate_sessions(engine.tokenizer, 2, 2400, [600], seed=5)
 
 
+def _widened(sess: Session) -> list[dict]:
+    """Independent reference: each fact span of the layout's blueprint widened to the message holding it (found by
+    token offset), the readers of one message's spans united."""
+    offsets = sess.layout.message_offsets
+    readers: dict[int, set[int]] = {}
+    for entry in sess.layout.blueprint:
+        m = bisect.bisect_right(offsets, entry["span"][0]) - 1
+        readers.setdefault(m, set()).update(entry["readers"])
+    return [{"span": [offsets[m], offsets[m + 1]], "readers": sorted(r)} for m, r in sorted(readers.items())]
+
+
 def test_oracle_reads_give_the_oracle_message_blueprint(sessions):
     for sess in sessions:
-        assert lp.blueprint_of(sess, lp.oracle_reads(sess)) == ls.plan_of(sess, "messages")
+        assert lp.blueprint_of(sess, lp.oracle_reads(sess)) == _widened(sess) == ls.plan_of(sess, "messages")
     got = lp.score(sessions, [lp.oracle_reads(s) for s in sessions])
     assert got["edge_recall"] == got["edge_precision"] == got["fact_edge_recall"] == 1.0
     assert got["oracle_edges"] == got["predicted_edges"] > 0
