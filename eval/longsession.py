@@ -28,7 +28,7 @@ from kvsteward.serve.engine.policies import ARMS
 from kvsteward.serve.engine.session import Session as EngineSession
 from kvsteward.synth.chat import generation_prompt, message_token_ids
 from kvsteward.synth.longsession_planner import PLANNERS, blueprint_of, oracle_reads
-from kvsteward.synth.longsession_schema import Session
+from kvsteward.synth.longsession_schema import Probe, Session
 
 DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
 BLUEPRINT_GRANULARITIES = ("facts", "messages")
@@ -108,10 +108,12 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
 
 def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
          on_message: Callable[[EngineSession], None] | None = None,
-         blueprint: list[dict] | None = None) -> tuple[list[ProbeRow], int]:
+         blueprint: list[dict] | None = None,
+         on_probe: Callable[[EngineSession, Probe], None] | None = None) -> tuple[list[ProbeRow], int]:
     """One session through one arm; returns a row per probe and the session's peak resident slots.
     `on_message` is called after every context message (progress bars); `blueprint` replaces the oracle plan
-    (a planner's)."""
+    (a planner's); `on_probe` is called at each probe's answer opening, before it is scored (diagnostics that
+    read forks of the state)."""
     tok = engine.tokenizer
     messages = [m.model_dump() for m in sess.messages]
     s = _open_session(engine, arm, cfg, sess, blueprint)
@@ -128,6 +130,8 @@ def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
             s.append(ids, kind="user", logits=None)
         opener = tok.encode(generation_prompt(tok, history) + probe.answer_prefix, add_special_tokens=False)
         s.append(opener, kind="assistant")
+        if on_probe:
+            on_probe(s, probe)
         row = ProbeRow(sess.id, sess.distance, arm, probe.id, probe.kind, 0.0,
                        **_ledger(s, sess.layout.needed_spans[probe.id]))
         answer_ids = _score_probe(engine, s, probe, row, cfg)

@@ -36,22 +36,13 @@ import time
 import torch
 
 from kvsteward.eval import scoring
-from kvsteward.eval.longsession import RunConfig, _open_session
+from kvsteward.eval.longsession import RunConfig, play
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.engine.session import move_resident
-from kvsteward.synth.chat import generation_prompt, message_token_ids
 from kvsteward.synth.longsession import generate_sessions
 
 INTERVENTIONS = ("as_played", "drop_other_defs", "drop_unplanned", "defs_before_probe", "original_positions",
                  "repositioned", "recomputed")
-
-
-def _ranges(pieces: list[list[int]]) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for p in pieces:
-        out.append((at, at + len(p)))
-        at += len(p)
-    return out
 
 
 def _reposition(s, new_pos: torch.Tensor) -> None:
@@ -115,33 +106,21 @@ def _first_token_logprob(s, value_ids: list[int], gold_ids: list[int]) -> float:
 
 def diagnose(engine: Engine, sess, cfg: RunConfig, interventions: tuple[str, ...] = INTERVENTIONS) -> list[dict]:
     tok = engine.tokenizer
-    messages = [m.model_dump() for m in sess.messages]
-    pieces = message_token_ids(tok, messages)
-    ranges = _ranges(pieces)
-    def_users = [step[0] for step in sess.definition_steps]
-    defs = {ranges[m] for m in def_users}
+    at = sess.layout.message_offsets
+    ranges = list(zip(at[:-1], at[1:], strict=True))  # each context message's token span
+    defs = {ranges[step[0]] for step in sess.definition_steps}
     regions = {r.key: r.message for r in sess.regions}
-    s = _open_session(engine, "pace", cfg, sess)
-    for msg, ids in zip(messages, pieces, strict=True):
-        s.append(ids, kind=msg["role"], logits=None)
-    probe_start = s.n_logical
-    end_ids = tok.encode("<|im_end|>\n", add_special_tokens=False) if "<|im_end|>" in tok.get_vocab() else []
     rows = []
-    for probe in sess.probes:
-        pm = [m.model_dump() for m in probe.messages]
-        history = messages + pm
-        for ids in message_token_ids(tok, history)[len(messages):]:
-            s.append(ids, kind="user", logits=None)
-        s.append(tok.encode(generation_prompt(tok, history) + probe.answer_prefix, add_special_tokens=False),
-                 kind="assistant")
+
+    def at_probe(s, probe) -> None:
         if probe.kind != "fact":
-            break
+            return
         gold = tok.encode(probe.gold, add_special_tokens=False)
         needed_defs = {ranges[regions[k]] for k in probe.needs}
         others = {k: v for k, v in sess.facts.items() if v != probe.gold and v.strip()}
         for name in interventions:
             t0 = time.perf_counter()
-            v = _variant(engine, s, name, defs, needed_defs, probe_start, ranges[0])
+            v = _variant(engine, s, name, defs, needed_defs, at[-1], ranges[0])
             generated = v.fork().generate(max(cfg.max_fact_tokens, len(gold) + 2), stop_ids=engine.stop_ids)
             competitors = {k: _first_token_logprob(v, tok.encode(val, add_special_tokens=False), gold)
                            for k, val in others.items()}
@@ -153,9 +132,8 @@ def diagnose(engine: Engine, sess, cfg: RunConfig, interventions: tuple[str, ...
                          "competitor_logprob": competitors, "seconds": round(time.perf_counter() - t0, 2)})
             print(json.dumps({k: rows[-1][k] for k in ("session", "probe", "intervention", "score", "generated")}),
                   flush=True)
-        scoring.appended_gold_nll(s, gold)  # the main thread continues with the gold value, as in the benchmark
-        s.append(end_ids, kind="assistant", continue_message=True, logits=None)
-        messages = history + [{"role": "assistant", "content": probe.answer_prefix}]  # as `play` (no answer ids)
+
+    play(engine, sess, "pace", cfg, on_probe=at_probe)  # the benchmark's own play; interventions read forks
     return rows
 
 
