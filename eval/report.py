@@ -76,7 +76,8 @@ def _plan_lines(result: dict) -> list[str]:
 
 def markdown(result: dict) -> str:
     dists = _distances(result)
-    lines = ["# Long-session benchmark", "", *_plan_lines(result),
+    domain = [f"Session domain: **{result['domain']}**.", ""] if result.get("domain") else []
+    lines = ["# Long-session benchmark", "", *domain, *_plan_lines(result),
              "## Forced-prefix accuracy (arm × distance D in tokens)", "",
              "| arm | " + " | ".join(f"D={d}" for d in dists) + " | peak resident slots | wall s |",
              "|---|" + "---|" * (len(dists) + 2)]

@@ -93,7 +93,7 @@ def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
     _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
 
 
-FORESIGHT_ARMS = ("pace", "pace-tiered", "retention-only", "foresight")
+FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "retention-only", "foresight")
 
 
 @engine_app.command()
@@ -117,8 +117,9 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
     console.print(f"session: {n_tokens} tokens, {len(sess.messages)} messages; definitions at tokens "
                   f"{sess.layout.definition_spans}; probes {distance} tokens later; B={budget} H={chunk} L={limit}")
     if any(a in FORESIGHT_ARMS for a in arms.split(",")):
-        console.print("foresight arms (pace, retention-only, foresight) follow the session's [bold]oracle plan[/]: "
-                      "the generator's own record of which tokens each probe reads, not a planner's guess")
+        console.print("foresight arms (pace, pace-refresh, retention-only, foresight) follow the session's "
+                      "[bold]oracle plan[/]: the generator's own record of which tokens each probe reads, not a "
+                      "planner's guess")
     cfg = RunConfig(arms=tuple(arms.split(",")), budget=budget, chunk=chunk, limit=limit, code=False)
     table = Table(title="kvsteward engine demo")
     for col in ("arm", "tokens seen", "resident slots (peak)", "max position", "residency of needed defs",

@@ -53,7 +53,8 @@ def _pair_bar(pairs: int):
 def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
                 arms: str = typer.Option("h2o,retention-only,positions-only,pace",
                                          help="comma-separated arms: full, streaming, h2o, snapkv, tova, "
-                                              "positions-only, retention-only, pace, pace-tiered, akv-rolling"),
+                                              "positions-only, retention-only, pace, pace-tiered, pace-refresh, "
+                                              "akv-rolling"),
                 length: int = typer.Option(16384, help="session length in tokens (context before the probes)"),
                 distances: str = typer.Option("1024,8192,15000", help="definition → probe distances in tokens"),
                 budget: int = typer.Option(512, help="B: resident slots after each chunk"),
@@ -61,6 +62,9 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 limit: int = typer.Option(2048, help="L: position limit of the bounded arms"),
                 sessions: int = typer.Option(5, help="sessions (seeds) per distance"),
                 seed: int = typer.Option(7),
+                domain: str = typer.Option("settlement", help="session domain: settlement (fee rules in Python, "
+                                           "stdlib source as filler) or ops (an on-call service's YAML config, "
+                                           "the Python docs' prose as filler)"),
                 sessions_file: Path | None = typer.Option(None, help="score the sessions in this JSONL file instead "
                                                                       "(schema: docs/sessions-schema.md)"),
                 shard_of: str = typer.Option("", "--shard", help="I/N: play only sessions I, I+N, ... (run N "
@@ -107,12 +111,17 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
         raise typer.BadParameter(str(e)) from e
     if sessions_file is not None and not sessions_file.is_file():  # before the model loads
         raise typer.BadParameter(f"sessions file {sessions_file} does not exist")
+    from kvsteward.synth.longsession import DOMAINS
+
+    if domain not in DOMAINS:
+        raise typer.BadParameter(f"unknown domain {domain!r}; known: {sorted(DOMAINS)}")
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model)
     if sessions_file is not None:
         sess = read_jsonl(sessions_file, engine.tokenizer)
     else:
-        sess = generate_sessions(engine.tokenizer, sessions, length, _ints(distances), seed, progress=True)
+        sess = generate_sessions(engine.tokenizer, sessions, length, _ints(distances), seed, progress=True,
+                                 domain=domain)
     journal = out / JOURNAL
     if shard_of:
         parts = shard_of.split("/")
@@ -142,12 +151,14 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
         raise typer.Exit(1) from e
     result["model"] = model
     result["planner"] = plan_info
+    result["domain"] = None if sessions_file is not None else domain
     paths = write_report(result, out)
     console.print(paths["markdown"].read_text())
     if mlflow_log:
         params = {"model": model, "arms": arms, "length": length, "distances": distances, "budget": budget,
                   "chunk": chunk, "limit": limit, "sessions": len(sess), "seed": seed,
-                  "sessions_file": str(sessions_file or ""), "blueprint": blueprint, "planner": plan_info["name"]}
+                  "domain": result["domain"] or "", "sessions_file": str(sessions_file or ""),
+                  "blueprint": blueprint, "planner": plan_info["name"]}
         result["mlflow_run_id"] = log_to_mlflow(result, out, params)
     if as_json:
         print(json.dumps({k: v for k, v in json.loads(paths["json"].read_text()).items()

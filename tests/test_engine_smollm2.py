@@ -29,8 +29,8 @@ def test_smollm2_full_engine_equals_generate(engine):
     assert generate_equivalence(engine, engine.tokenizer.encode(text), new_tokens=24)
 
 
-def test_smollm2_drop_and_reposition_match_reference(engine):
+def test_smollm2_drop_reposition_and_refresh_match_reference(engine):
     from kvsteward.serve.bench.checks import op_logit_errors
 
     errs = op_logit_errors(engine, n=96)
-    assert errs["drop"] < 1e-3 and errs["reposition"] < 1e-3, errs
+    assert errs["drop"] < 1e-3 and errs["reposition"] < 1e-3 and errs["refresh"] < 1e-3, errs

@@ -30,18 +30,18 @@ def generate_equivalence(engine: Engine, prompt: list[int], new_tokens: int = 32
 
 
 def op_logit_errors(engine: Engine, n: int = 256, seed: int = 0) -> dict[str, float]:
-    """Max |Δlogit| of drop and drop+reposition vs the reference replay on transformers' own cache."""
+    """Max |Δlogit| of drop, drop+reposition and drop+refresh vs the reference replay on transformers' own cache."""
     x, y = _tokens(n, engine.vocab_size, seed), _tokens(16, engine.vocab_size, seed + 1)
     victims = list(range(3, n, 5))
     out = {}
-    for name, repos in (("drop", False), ("reposition", True)):
+    for name in ("drop", "reposition", "refresh"):
         s = engine.session("full", chunk=128)
         ref = ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
         for sess in (s, ref):
             sess.append(x)
             sess.drop(victims)
-            if repos:
-                sess.reposition()
+            if name != "drop":
+                getattr(sess, name)()
         out[name] = float((s.append(y, logits="all") - ref.append(y)).abs().max())
     return out
 

@@ -112,9 +112,12 @@ ARMS: dict[str, tuple[str, bool]] = {
     "retention-only": ("foresight", False),
     "pace": ("foresight", True),
     "pace-tiered": ("foresight", True),
+    "pace-refresh": ("foresight", True),
 }
 # Arms whose evicted planned spans go to a storage tier and are rehydrated when their reader step opens.
 TIERED_ARMS = frozenset({"pace-tiered"})
+# Arms that re-encode their resident tokens afresh (`Session.refresh`) when a step that reads a planned span opens.
+REFRESH_ARMS = frozenset({"pace-refresh"})
 
 
 def get_policy(name: str, **overrides) -> Policy:

@@ -30,13 +30,14 @@ def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
 
 
 class ReferenceSession:
-    """Sequential replay of append / drop / reposition / evict / rehydrate on transformers' DynamicCache (no eviction
-    policy: evictions and rehydrations are taken from the history)."""
+    """Sequential replay of append / drop / reposition / refresh / evict / rehydrate on transformers' DynamicCache
+    (no eviction policy: evictions and rehydrations are taken from the history)."""
 
     def __init__(self, model, inv_freq: torch.Tensor, layout: str = "split_half"):
         self.model, self.inv_freq, self.layout = model, inv_freq, layout
         self.cache = DynamicCache(config=model.config)
         self.logical: list[int] = []
+        self.tokens: list[int] = []  # every logical token
         self.positions: list[int] = []
         self.next_pos = 0
         self.n_logical = 0
@@ -48,6 +49,7 @@ class ReferenceSession:
         pos = torch.arange(self.next_pos, self.next_pos + n)[None]
         out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.logical += list(range(self.n_logical, self.n_logical + n))
+        self.tokens += list(tokens)
         self.positions += pos[0].tolist()
         self.n_logical += n
         self.next_pos += n
@@ -93,9 +95,20 @@ class ReferenceSession:
         self.positions = list(range(r))
         self.next_pos = r
 
+    @torch.inference_mode()
+    def refresh(self) -> torch.Tensor:
+        """A new cache holding the resident tokens encoded afresh at 0..r-1 (one forward); returns its last logits."""
+        r = len(self.logical)
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=torch.tensor([[self.tokens[i] for i in self.logical]]),
+                         position_ids=torch.arange(r)[None], past_key_values=self.cache, use_cache=True)
+        self.positions = list(range(r))
+        self.next_pos = r
+        return out.logits[0, -1].float()
+
     def replay(self, history: list[dict]) -> torch.Tensor | None:
         """Replay an engine op history (evict = drop keeping the columns aside, rehydrate = put them back,
-        renumber ≡ reposition); returns the last append's logits."""
+        renumber ≡ reposition); returns the logits of the last append (or refresh)."""
         logits = None
         for op in history:
             kind = op["op"]
@@ -109,6 +122,8 @@ class ReferenceSession:
                 self.rehydrate(op["indices"])
             elif kind in ("reposition", "renumber"):
                 self.reposition()
+            elif kind == "refresh":
+                logits = self.refresh()[None]
             else:
                 raise ValueError(f"unknown op {kind!r} in history")
         return logits

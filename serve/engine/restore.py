@@ -86,7 +86,7 @@ def plan_history(history: list[dict]) -> Plan:
             resident = sorted(resident + list(op["indices"]))
             for i in op["indices"]:
                 status[i] = 0
-        elif kind in ("reposition", "renumber"):
+        elif kind in ("reposition", "renumber", "refresh"):  # (a refresh also re-encodes: `restore` refuses it)
             for r, i in enumerate(resident):
                 pos[i] = r
             next_pos = len(resident)
@@ -144,6 +144,9 @@ def restore(engine, config: SessionConfig, history: list[dict]) -> Session:
     if config.spill is not None:
         raise ValueError("a session with a spill store keeps evicted planned KV in a tier that a one-forward restore "
                          "does not refill: rebuild it by replaying its ops")
+    if any(op["op"] == "refresh" for op in history):
+        raise ValueError("a refresh re-encodes the resident tokens from themselves alone, which one forward over the "
+                         "history cannot reproduce: rebuild the session by replaying its ops")
     plan = plan_history(history)
     s = Session(engine, config)
     t = s.table

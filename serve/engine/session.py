@@ -6,6 +6,10 @@ Operations (each appended to `history`, which is the state's identity — AKV Fi
 - `drop(logical_indices)`: those tokens leave all future attention; everyone else keeps order, values, positions;
   the next position is not reduced.
 - `reposition()`: survivors take positions 0..r-1 in logical order (K' = R(p') R(p)^-1 K, V unchanged); next at r.
+- `refresh()`: the resident tokens are encoded afresh, in logical order at positions 0..r-1 (chunk H, no eviction):
+  every K and V becomes what a new session holding only those tokens would compute; what evicted or dropped tokens
+  had contributed to them is gone. Metadata (logical index, step, scores) is kept; next at r. With `refresh` set in
+  the config (the `pace-refresh` arm), the session refreshes itself when a step that reads a planned span opens.
 - bounded positions (limit L): before a chunk would reach L, resident slots are renumbered the same way (`renumber`).
 - tiered rehydration (a spill store, `serve/engine/spill.py`): evicted tokens of planned spans with a reader still
 ahead are
@@ -30,7 +34,7 @@ import torch
 
 from kvsteward.serve.engine.attention import ForwardContext, steward_attention_enabled
 from kvsteward.serve.engine.blueprint import PlannedSpan
-from kvsteward.serve.engine.policies import Policy, SlotView, select_keep
+from kvsteward.serve.engine.policies import POLICIES, Policy, SlotView, select_keep
 from kvsteward.serve.engine.slots import SlotTable
 from kvsteward.serve.engine.spill import SpillStore, pack_rows
 
@@ -50,6 +54,8 @@ class SessionConfig:
     blueprint: list[PlannedSpan] = field(default_factory=list)
     use_adapter: bool = False  # run with the engine's LoRA adapter on (the aux thread); main threads run the base
     spill: SpillStore | None = None  # tiered rehydration of planned spans (None: evicted means gone)
+    refresh: bool = False  # refresh the resident K/V when a step that reads a planned span opens (pace-refresh;
+    # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -100,6 +106,7 @@ class Session:
         self.last_logits: torch.Tensor | None = None
         self.peak_resident = 0
         self.renumbers = 0
+        self.refreshes = 0
         self.spilled: dict[int, str] = {}  # evicted planned logical index -> blob key in config.spill
         self._track_spill()
 
@@ -141,6 +148,8 @@ class Session:
         if not continue_message:
             if self.config.spill is not None:
                 self._rehydrate_for(self.n_messages)  # before the step opens: a failed fetch changes nothing
+            if self.config.refresh and self.table.n and self._reads_plan(self.n_messages):
+                self._refresh({"op": "refresh", "reader": self.n_messages})
             self.current_step = self.n_messages
             self.n_messages += 1
             if kind == "tool":
@@ -188,7 +197,33 @@ class Session:
         self._renumber()
         self.history.append({"op": "reposition"})
 
+    def refresh(self) -> None:
+        """Encode the resident tokens afresh at positions 0..r-1 (in logical order, chunk H) and replace their K/V;
+        the logits become the fresh forward's last. Costs a prefill of r tokens; needs twice the resident KV while
+        it runs (the old table stays intact until the new one is complete, so a failure changes nothing)."""
+        if self.table.n == 0:
+            raise CacheOpError("refresh on an empty cache: nothing is resident")
+        self._refresh({"op": "refresh"})
+
     # -- internals ----------------------------------------------------------------------------------------------
+    def _refresh(self, record: dict) -> None:
+        old = self.table
+        r = old.n
+        fresh = Session(self.engine, SessionConfig(policy=POLICIES["full"], chunk=self.config.chunk,
+                                                   use_adapter=self.config.use_adapter))
+        fresh.append(old.field("token").tolist(), logits="last")
+        t = fresh.table
+        for name in ("logical", "step", "is_tool", "cumulative", "window"):
+            t.meta[name][:r] = old.meta[name][:r]
+        self.table = t  # shared forks of the old table keep reading its rows
+        self.next_pos = r
+        self.last_logits = fresh.last_logits
+        self.refreshes += 1
+        self.history.append(record)
+
+    def _reads_plan(self, step: int) -> bool:
+        return any(step in span.readers for span in self.config.blueprint)
+
     def _check_tokens(self, tokens) -> list[int]:
         if isinstance(tokens, torch.Tensor):
             tokens = tokens.view(-1).tolist()

@@ -211,7 +211,9 @@ def replay(session, ops: list[dict]) -> None:
             session.drop(op["indices"])
         elif kind == "reposition":
             session.reposition()
-        elif kind not in ("evict", "renumber", "rehydrate"):
+        elif kind == "refresh" and "reader" not in op:  # (a reader-step refresh is re-derived by the session)
+            session.refresh()
+        elif kind not in ("evict", "renumber", "rehydrate", "refresh"):
             raise RebuildError(f"unknown op {kind!r} in the log")
 
 
