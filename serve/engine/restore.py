@@ -9,7 +9,8 @@ this equals the sequential replay of the ops — tested against it, measured aga
 
 The restored session holds the final resident slots: keys rotated to their final positions, original values,
 cumulative scores recomputed the same way (for `h2o` / `foresight`). Window-vote policies (snapkv, tova) are not
-restorable this way: their score is the last chunk's vote, which the restore does not reproduce.
+restorable this way: their score is the last chunk's vote, which the restore does not reproduce. Nor is a history
+with a `refresh`: its K/V come from the resident tokens alone, not from one pass over the history.
 """
 
 from __future__ import annotations
