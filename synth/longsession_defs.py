@@ -232,15 +232,20 @@ _ALL_REGIONS = ["status_enum", "item", "account", "fee_rate", "min_fee", "fee_ca
                 "rounding", "fee_rule", "settle_rule"]
 
 
-def fact_probes(spec: Spec, kinds: tuple[str, ...] = DEFAULT_FACTS) -> list[ProbeDraft]:
-    unknown = [k for k in kinds if k not in _FACT_PROBES]
+def probes_from_table(table: dict, spec, kinds: tuple[str, ...], what: str = "fact") -> list[ProbeDraft]:
+    """Fact probes of `kinds` from a domain's table (kind -> question, answer prefix, needed regions, gold getter)."""
+    unknown = [k for k in kinds if k not in table]
     if unknown:
-        raise ValueError(f"unknown fact probe kinds {unknown}; known: {list(_FACT_PROBES)}")
+        raise ValueError(f"unknown {what} probe kinds {unknown}; known: {list(table)}")
     out = []
     for kind in kinds:
-        question, prefix, needs, gold = _FACT_PROBES[kind]
+        question, prefix, needs, gold = table[kind]
         out.append(ProbeDraft(f"fact:{kind}", "fact", question, needs, answer_prefix=prefix, gold=gold(spec)))
     return out
+
+
+def fact_probes(spec: Spec, kinds: tuple[str, ...] = DEFAULT_FACTS) -> list[ProbeDraft]:
+    return probes_from_table(_FACT_PROBES, spec, kinds)
 
 
 def recall_probe(spec: Spec) -> ProbeDraft:

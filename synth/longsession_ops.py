@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvsteward.synth.longsession_defs import _WORDS, Definition, ProbeDraft, _region
+from kvsteward.synth.longsession_defs import _WORDS, Definition, ProbeDraft, _region, probes_from_table
 
 _SUFFIXES = ("gateway", "ledger", "ingest", "scheduler", "router", "indexer", "notifier", "billing")
 _AREAS = ("eu", "us", "ap", "sa", "me", "af", "ca")
@@ -156,13 +156,7 @@ _OPS_REGIONS = ["inventory", "primary_region", "failover_region", "port", "laten
 
 def ops_probes(spec: OpsSpec, facts: tuple[str, ...] = OPS_DEFAULT_FACTS) -> list[ProbeDraft]:
     """Fact probes in the order asked, then one recall probe (the domain has no code probes)."""
-    unknown = [k for k in facts if k not in _OPS_FACT_PROBES]
-    if unknown:
-        raise ValueError(f"unknown operations fact probe kinds {unknown}; known: {list(_OPS_FACT_PROBES)}")
-    out = []
-    for kind in facts:
-        question, prefix, needs, gold = _OPS_FACT_PROBES[kind]
-        out.append(ProbeDraft(f"fact:{kind}", "fact", question, needs, answer_prefix=prefix, gold=gold(spec)))
+    out = probes_from_table(_OPS_FACT_PROBES, spec, facts, what="operations fact")
     question = ("Before the handover, recap from memory everything we fixed at the start of this session: the "
                 "owning team, both regions, the port, every alert threshold, the pager alias, the incident "
                 "code, and the runbook's timeouts.")
@@ -174,4 +168,4 @@ def ops_probes(spec: OpsSpec, facts: tuple[str, ...] = OPS_DEFAULT_FACTS) -> lis
 
 
 def ops_facts(spec: OpsSpec) -> dict[str, str]:
-    return {k: v for k, v in vars(spec).items()}
+    return dict(vars(spec))
