@@ -2,8 +2,8 @@
 
 Every arm of `eval.manager.play` decides at the same boundaries of the same replays as the learned manager:
 - model arms (`(use_adapter, close_bias, min_confidence)` tuples): the aux thread as served (`serve.manager`);
-- `RuleArm`: a fitted `synth.baselines.Baseline` (delete_all_read, keep_last_k, text_classifier, lexical_overlap)
-  reading the visible context (`Baseline.decide_at`), fitted on the dataset's train split;
+- `RuleArm`: a fitted `synth.baselines.Baseline` (delete_all_read, keep_last_k, text_classifier, lexical_overlap,
+  structure) reading the visible context (`Baseline.decide_at`), fitted on the dataset's train split;
 - `AttentionArm`: H2O's signal per tool response: the attention the main thread paid to its tokens (cumulative
   attention per token, per later query, averaged over the response; `attention_mass`), a response deleted when that
   mass is below a threshold chosen on validation replays (`fit_attention_threshold`). Its replay collects scores
@@ -27,9 +27,9 @@ from kvsteward.synth.trace import Trace
 
 # A session that collects H2O's cumulative attention and never evicts (a budget no trace reaches).
 SESSION = {"policy": "h2o", "budget": 1 << 40}
-ARM_NAMES = ("base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "attention_mass",
-             "adapter")
-RULES = ("delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap")
+ARM_NAMES = ("base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure",
+             "attention_mass", "adapter")
+RULES = ("delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure")
 
 
 def _decision(deleted: set[int]) -> AuxDecision:

@@ -345,7 +345,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             every: int = typer.Option(4, help="aux thread every K tool turns"),
             limit: int = typer.Option(10, help="at most this many traces"),
             arms: str = typer.Option(",".join(("base", "delete_all_read", "keep_last_k", "text_classifier",
-                                                "lexical_overlap", "attention_mass", "adapter")),
+                                                "lexical_overlap", "structure", "attention_mass", "adapter")),
                                      help="comma-separated arms (adapter only with --adapter)"),
             point: str = typer.Option("f1", help="the cheap baselines' operating point: f1 (best train F1) or safe "
                                                  "(best F1 with <= 2 % harmful on train)"),

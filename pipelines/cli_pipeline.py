@@ -85,7 +85,7 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
 
 # arm names as the tables print them (an 80-column log: `make demo`)
 SHORT = {"delete_all_read": "all read", "keep_last_k": "last K", "text_classifier": "BoW LR",
-         "lexical_overlap": "overlap", "attention_mass": "attention"}
+         "lexical_overlap": "overlap", "structure": "structure", "attention_mass": "attention"}
 TEST_SETS = {"manager": "in-distribution test split", "heldout": "held-out environment",
              "manager_imported": "imported trace file"}
 

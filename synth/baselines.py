@@ -14,6 +14,10 @@ threshold. `fit` chooses the threshold (and any parameter) on the train decision
   two positions; C by trace-grouped CV, the threshold on the out-of-fold scores.
 - `lexical_overlap`: score = minus the idf-weighted rare words (names, ids, numbers) the body shares with the task;
   keep the cursor above a threshold.
+- `structure`: gradient-boosted trees over the decision's structural features (`synth.structure`: identifiers the
+  response introduced and whether later agent messages follow them, overlaps with the task and the other open
+  responses, positions); no words, so it can carry over to an environment it was not fitted on. The threshold on
+  trace-grouped out-of-fold scores.
 
 `save_baselines` writes a folder (`baselines.json` + one joblib file per fitted model) that `load_baselines` reads
 back with identical scores; `Baseline.decide_at(messages, open_cursors)` is the evaluation replay's decision.
@@ -32,6 +36,7 @@ import numpy as np
 from kvsteward.eval.scoring import wilson_interval
 from kvsteward.synth.decisions import Decision, decisions_at
 from kvsteward.synth.planner import _salient
+from kvsteward.synth.structure import FEATURES as STRUCTURE_FEATURES
 
 POINTS = ("f1", "safe")
 SAFE_HARMFUL = 0.02
@@ -363,8 +368,87 @@ class TextClassifier(Baseline):
         self.model = joblib.load(folder / self.model_file) if state.get("has_model") else None
 
 
+class StructureClassifier(Baseline):
+    """Gradient-boosted trees (scikit-learn's HistGradientBoostingClassifier) over each decision's structural
+    features (`synth.structure`: identifiers introduced / followed / pending, overlaps with the task and the other
+    open responses, positions) — no words, so nothing ties it to one environment's vocabulary. Its settings are
+    fixed (200 trees of 15 leaves, learning rate 0.05); the thresholds are chosen on out-of-fold scores (folds
+    grouped by trace), as the text classifier's."""
+
+    name = "structure"
+    model_file = "structure.joblib"
+    params: ClassVar[dict[str, Any]] = {"max_iter": 200, "learning_rate": 0.05, "max_leaf_nodes": 15,
+                                        "random_state": 0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None  # a fitted HistGradientBoostingClassifier, or None: a constant score
+        self.constant = 0.0
+
+    @classmethod
+    def _gbm(cls):
+        from sklearn.ensemble import HistGradientBoostingClassifier
+
+        return HistGradientBoostingClassifier(**cls.params)
+
+    @staticmethod
+    def _matrix(decisions: Sequence[Decision]) -> np.ndarray:
+        x = np.array([d.structure for d in decisions], float)
+        if x.ndim != 2 or x.shape[1] != len(STRUCTURE_FEATURES):
+            raise ValueError(f"structure: decisions carry {x.shape[-1] if x.ndim == 2 else 0} structural features, "
+                             f"expected {len(STRUCTURE_FEATURES)} (built by synth.decisions.decisions_at)")
+        return x
+
+    def _fit_model(self, decisions: Sequence[Decision], labels: np.ndarray) -> np.ndarray:
+        from sklearn.model_selection import GroupKFold
+
+        groups = [d.trace_id for d in decisions]
+        n_folds = min(CV_FOLDS, len(set(groups)))
+        if labels.all() or not labels.any() or n_folds < 2:
+            self.model, self.constant = None, float(labels.mean())
+            return self.scores(decisions)
+        x = self._matrix(decisions)
+        oof = np.zeros(len(labels))
+        for tr, te in GroupKFold(n_splits=n_folds).split(x, labels, groups):
+            if labels[tr].all() or not labels[tr].any():
+                oof[te] = labels[tr].mean()
+                continue
+            oof[te] = self._gbm().fit(x[tr], labels[tr]).predict_proba(x[te])[:, 1]
+        self.model = self._gbm().fit(x, labels)
+        return oof
+
+    def scores(self, decisions: Sequence[Decision]) -> np.ndarray:
+        if self.model is None:
+            return np.full(len(decisions), self.constant)
+        if not len(decisions):
+            return np.zeros(0)
+        return self.model.predict_proba(self._matrix(decisions))[:, 1]
+
+    def state(self) -> dict[str, Any]:
+        return {"params": self.params, "features": list(STRUCTURE_FEATURES), "constant": self.constant,
+                "has_model": self.model is not None}
+
+    def _save_files(self, folder: Path) -> list[str]:
+        import joblib
+
+        if self.model is None:
+            (folder / self.model_file).unlink(missing_ok=True)
+            return []
+        joblib.dump(self.model, folder / self.model_file)
+        return [self.model_file]
+
+    def _load_state(self, state: dict[str, Any], folder: Path) -> None:
+        import joblib
+
+        if state.get("features", list(STRUCTURE_FEATURES)) != list(STRUCTURE_FEATURES):
+            raise ValueError(f"{folder}: the structure baseline was fitted on other features "
+                             f"({state.get('features')}); refit it (`steward synth audit`)")
+        self.constant = float(state.get("constant", 0.0))
+        self.model = joblib.load(folder / self.model_file) if state.get("has_model") else None
+
+
 BASELINES: dict[str, type[Baseline]] = {b.name: b for b in (DeleteAllRead, KeepLastK, TextClassifier,
-                                                             LexicalOverlap)}
+                                                             LexicalOverlap, StructureClassifier)}
 
 
 def fit_all(train: Sequence[Decision], names: Iterable[str] = BASELINES) -> dict[str, Baseline]:

@@ -7,8 +7,9 @@ keeps them (the serving decoder never offers them).
 
 Each decision carries what a cheap baseline may look at — the task (first user message), the cursor's body, the
 agent's note after it (`hindsight.cursor_notes`, as the `notes` trigger shows it), the tool call that produced it,
-how many agent steps ago it arrived and its recency rank among the read open cursors — so a surface rule that
-recovers the labels shows up as a baseline that scores well (`synth.audit`).
+how many agent steps ago it arrived, its recency rank among the read open cursors and its structural features
+(`synth.structure`: identifiers introduced and followed, overlaps with the task and the other responses) — so a
+surface rule that recovers the labels shows up as a baseline that scores well (`synth.audit`).
 
 Two sources, which agree on the same boundary: `decisions_at` over a visible context indexed as the cursor ids (what
 `eval.manager.replay` hands its decision function), and `decisions_from_split` over a hindsight dataset's `delete`
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvsteward.synth.hindsight import boundaries, cursor_notes, expired, unread_cursors
+from kvsteward.synth.structure import structure_features
 from kvsteward.synth.toolcall import cursor_body, cursor_content, cursor_id, parse_tool_calls
 from kvsteward.synth.trace import Trace
 
@@ -52,6 +54,7 @@ class Decision:
     call: str  # the producing tool call: name + JSON arguments ("" when none precedes it)
     steps_since: int  # assistant messages between the cursor and the boundary
     recency: int  # 0 = the most recent read open cursor, 1 = the one before, ...
+    structure: tuple[float, ...] = ()  # `synth.structure.FEATURES`: its place in the agent's visible progress
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +92,8 @@ def decisions_at(messages: list[dict], open_cursors: Iterable[int], boundary: in
     label (None: labels unknown)."""
     seen = messages[:boundary]
     unread = set(unread_cursors(seen))
-    read = sorted(c for c in set(open_cursors) if c not in unread)
+    open_cursors = set(open_cursors)
+    read = sorted(c for c in open_cursors if c not in unread)
     for c in read:
         if not 0 <= c < boundary or seen[c].get("role") != "tool":
             raise DecisionError(f"{trace_id or 'context'}: open cursor {c} is not a tool message before {boundary}")
@@ -97,10 +101,13 @@ def decisions_at(messages: list[dict], open_cursors: Iterable[int], boundary: in
     task = _task(seen)
     cues = cues or {}
     assistant_after = _assistant_suffix_counts(seen)
+    steps = {c: assistant_after[c + 1] for c in read}
+    structure = structure_features(seen, open_cursors, read, task, steps)
     return [Decision(trace_id=trace_id, env=env, boundary=boundary, cursor=c,
                      label=None if label_fn is None else bool(label_fn(c)), cue=cues.get(c, ""), task=task,
                      body=cursor_body(seen[c].get("content") or ""), note=notes[c], call=producing_call(seen, c),
-                     steps_since=assistant_after[c + 1], recency=len(read) - 1 - k) for k, c in enumerate(read)]
+                     steps_since=steps[c], recency=len(read) - 1 - k, structure=structure[c])
+            for k, c in enumerate(read)]
 
 
 def _assistant_suffix_counts(messages: list[dict]) -> list[int]:

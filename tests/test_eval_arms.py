@@ -145,13 +145,14 @@ def test_eval_manager_cli_reports_every_arm_with_the_contract_metrics(tiny_folde
     common = ["eval", "manager", "--model", str(tiny_folder), "--data", str(tmp_path / "ds"), "--every", "2",
               "--limit", "1", "--attention-fit", "1", "--no-mlflow", "--json"]
     out = json.loads(ok([*common, "--env", "ops"]).strip().splitlines()[-1])
-    arms = ["base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "attention_mass"]
+    arms = ["base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure",
+            "attention_mass"]
     assert out["arms"] == arms and out["envs"] == ["ops"] and out["n_traces"] == 1
     keys = {"f1", "precision", "recall", "harmful_rate", "harmful_rate_ci95", "peak_tokens_reduction",
             "kv_reads_reduction", "answer_acc", "n_decisions"}
     assert all(keys <= set(out[a]) for a in arms)
     assert out["delete_all_read"]["deleted"] == out["delete_all_read"]["n_decisions"] > 0
-    assert out["attention_fit"]["fit_traces"] == 1 and set(out["baseline_settings"]) == set(arms[1:5])
+    assert out["attention_fit"]["fit_traces"] == 1 and set(out["baseline_settings"]) == set(arms[1:6])
     ok(["synth", "export", str(tmp_path / "t"), "--env", "ops", "--split", "test", "--provenance", "--out",
         str(tmp_path / "s.jsonl")])
     ok(["synth", "import", str(tmp_path / "s.jsonl"), "--planner", "provenance", "--out", str(tmp_path / "imp")])

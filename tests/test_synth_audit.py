@@ -16,7 +16,7 @@ from kvsteward.pipelines.cli import app
 from kvsteward.synth import audit as am
 from kvsteward.synth import baselines as bl
 from kvsteward.synth.decisions import Decision, decisions_at, decisions_from_split
-from kvsteward.synth.hindsight import boundaries, expired
+from kvsteward.synth.hindsight import boundaries, expired, unread_cursors
 from kvsteward.synth.trace import read_traces, write_traces
 
 runner = CliRunner()
@@ -86,7 +86,9 @@ def test_decisions_at_and_from_split_agree(made, decisions):
     for (tid, b), got in groups.items():
         t = traces[tid]
         gone = set(expired(t, b))
-        assert decisions_at(t.messages, [d.cursor for d in got], b, gone.__contains__, tid, t.env, t.cues) == got
+        # open = the row's read open cursors and the unread responses at its end (never deleted before being read)
+        open_cursors = [d.cursor for d in got] + unread_cursors(t.messages[:b])
+        assert decisions_at(t.messages, open_cursors, b, gone.__contains__, tid, t.env, t.cues) == got
     assert all(d.env == "templated" and d.task == traces[d.trace_id].messages[1]["content"] for d in val)
 
 
