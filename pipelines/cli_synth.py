@@ -336,6 +336,43 @@ def import_(
 
 
 @synth_app.command()
+def bfcl(
+    out: Path = typer.Option(..., help="OpenAI-style JSONL to write, with provenance (`steward synth import "
+                             "--planner provenance` reads it)"),
+    categories: str = typer.Option("base,long_context", help="BFCL v4 multi-turn categories: base, long_context"),
+    limit: int = typer.Option(None, help="only the first N conversations of each category"),
+    min_chars: int = typer.Option(4, help="provenance: shortest value (characters) that can make a read"),
+    model: str = typer.Option("", help="also count tokens with this model's tokenizer (e.g. smollm2)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """BFCL v4 multi-turn conversations as agent sessions: the ground-truth calls executed offline against bfcl-eval's
+    simulators give the tool responses; provenance from the values the calls copy (docs/synth.md, "BFCL")."""
+    from kvsteward.synth import bfcl as bf
+
+    cats = [c.strip() for c in categories.split(",") if c.strip()]
+    bad = [c for c in cats if c not in bf.CATEGORIES]
+    if not cats or bad:
+        _fail(f"--categories {categories!r}: expected some of {', '.join(bf.CATEGORIES)}")
+    if limit is not None and limit < 1:
+        _fail("--limit must be at least 1")
+    if min_chars < 1:
+        _fail("--min-chars must be at least 1")
+    try:
+        records = bf.sessions(cats, limit, min_chars)
+    except ImportError as e:
+        _fail(str(e))
+    bf.write_sessions(out, records)
+    tok = None
+    if model:
+        from kvsteward.models import load_tokenizer
+
+        tok = load_tokenizer(model)
+    summary = {"sessions": len(records), "path": str(out), "categories": bf.summary(records, tok)}
+    print(json.dumps(summary) if as_json else f"wrote {len(records)} sessions to {out}\n"
+          + json.dumps(summary["categories"], indent=1))
+
+
+@synth_app.command()
 def export(
     traces_dir: Path = typer.Argument(..., help="traces folder"),
     out: Path = typer.Option(..., help="OpenAI-style JSONL to write (tool_calls + tool responses)"),
