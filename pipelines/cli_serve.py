@@ -87,7 +87,8 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           limit_concurrency: int = typer.Option(64, help="open connections + tasks before uvicorn answers 503"),
           timeout_keep_alive: int = typer.Option(5, help="seconds an idle keep-alive connection stays open"),
           max_header_bytes: int = typer.Option(16384, help="largest request head (request line + headers) "
-                                                           "accepted by the h11 parser"),
+                                                           "accepted by the h11 parser (414 for a longer request "
+                                                           "line, 431 for longer headers)"),
           log_level: str = typer.Option("info", help="uvicorn log level")) -> None:
     """Load the model once and serve it until interrupted."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -191,11 +192,14 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
 
 def uvicorn_options(host: str, port: int, log_level: str, limit_concurrency: int, timeout_keep_alive: int,
                     max_header_bytes: int) -> dict:
-    """uvicorn.run keyword arguments: the h11 parser (it bounds the request head; httptools does not), a
-    concurrency cap (503 beyond), a keep-alive timeout, no Server header."""
-    return dict(host=host, port=port, log_level=log_level, http="h11", limit_concurrency=limit_concurrency,
-                timeout_keep_alive=timeout_keep_alive, h11_max_incomplete_event_size=max_header_bytes,
-                server_header=False, timeout_graceful_shutdown=30)
+    """uvicorn.run keyword arguments: the h11 parser (it bounds the request head; httptools does not) answering an
+    over-long head 414 / 431 with a lingering close (`serve/server/protocol.py`), a concurrency cap (503 beyond), a
+    keep-alive timeout, no Server header."""
+    from kvsteward.serve.server.protocol import LingeringH11Protocol
+
+    return dict(host=host, port=port, log_level=log_level, http=LingeringH11Protocol,
+                limit_concurrency=limit_concurrency, timeout_keep_alive=timeout_keep_alive,
+                h11_max_incomplete_event_size=max_header_bytes, server_header=False, timeout_graceful_shutdown=30)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ middlewares live in `access.py`, body parsing and the OpenAPI request schemas in
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -148,6 +150,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         raise ValueError("the aux thread is set to use the LoRA adapter, but the engine has none (load one with "
                          "Engine.load(..., adapter=DIR), or set use_adapter=False for the base model)")
     config.limits.validate()
+    config = dataclasses.replace(config, limits=config.limits.for_model(engine))  # the default prompt limit
     metrics = Metrics()
     root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     engine.spill = make_spill(config, root, metrics)
@@ -218,9 +221,11 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         from kvsteward.serve.engine.ops import normalize_messages
 
         try:
-            n = prompt_token_count(engine.tokenizer, normalize_messages(msgs), None, generation_prompt=False)
+            normal = normalize_messages(msgs)
         except OpsError:
             return  # the store refuses these messages with its own, precise error
+        n = prompt_token_count(engine.tokenizer, normal, None, generation_prompt=False, limits=config.limits,
+                               per_token=chat.per_token)
         check_prompt_size(engine, config.limits, n, 0, unbounded=False)
 
     @app.get("/health")
@@ -256,15 +261,32 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 raise ApiError(400, "stream_options.include_usage must be true or false",
                                param="stream_options.include_usage")
         if stream:
-            return await _stream(body, t0)
+            return await _stream(request, body, t0)
 
-        def work():
+        def work(cancel: threading.Event):
             with lock.main():
-                return chat.complete(body, t0)
+                return chat.complete(body, t0, owner_of(request), cancel)
 
-        return await run_in_threadpool(work)
+        return await until_done_or_gone(request, work)
 
-    async def _stream(body: dict, t_arrival: float):
+    async def until_done_or_gone(request: Request, work, *args, **kw):
+        """`work(*args, cancel=event, **kw)` in the threadpool; the event is set once the client has disconnected,
+        so the work stops at its next prefill chunk or decode step instead of running on for nobody (`Cancelled`,
+        answered 499)."""
+        cancel = threading.Event()
+
+        async def watch() -> None:  # the body is read: the next message the server gives is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            cancel.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await run_in_threadpool(work, *args, cancel=cancel, **kw)
+        finally:
+            watcher.cancel()
+
+    async def _stream(request: Request, body: dict, t_arrival: float):
         t0 = time.perf_counter()
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))  # validated by the caller
         lock.begin_main()  # main work until the last byte (the aux thread waits meanwhile)
@@ -275,7 +297,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 lock.end_main()
 
         try:
-            prep = await run_in_threadpool(chat.prepare, body, t_arrival)  # errors: a 4xx before any byte
+            prep = await until_done_or_gone(request, chat.prepare, body, t_arrival,  # errors: a 4xx before any byte
+                                            owner_of(request))
         except BaseException:
             end_main()
             raise
@@ -334,8 +357,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         check_model(body)
         body.pop("model")
         check_turn_size(body)
-        return await run_in_threadpool(store.run_turn, session_id, body, owner=owner_of(request),
-                                       idempotency_key=key)
+        return await until_done_or_gone(request, store.run_turn, session_id, body, owner=owner_of(request),
+                                        idempotency_key=key)
 
     @app.delete("/v1/sessions/{session_id}")
     def delete_session(session_id: str, request: Request):

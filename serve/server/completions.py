@@ -9,6 +9,7 @@ different op history from one message append).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from kvsteward.serve.engine.ops import (
     session_spec,
 )
 from kvsteward.serve.server.decode import Decoder
+from kvsteward.serve.server.prompt_bound import bytes_per_token, min_tokens
 from kvsteward.serve.server.state import PrefixCache
 
 
@@ -38,7 +40,8 @@ class ServeLimits:
     max_tokens_default: int = 256
     max_tokens_limit: int = 4096
     max_messages: int | None = None  # messages of one request (a session turn: its new messages); None: no limit
-    max_prompt_tokens: int | None = None  # prompt tokens of one request, as the chat template renders them
+    max_prompt_tokens: int | None = None  # prompt tokens of one request as the template renders them (None: the
+    # model's positions, filled in by `for_model`; a model without max_position_embeddings has no limit)
     request_timeout: float | None = None  # seconds from arrival; decoding stops once spent (finish_reason "length")
 
     def validate(self) -> None:
@@ -48,6 +51,43 @@ class ServeLimits:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {self.request_timeout!r}")
+
+    def for_model(self, engine) -> ServeLimits:
+        """These limits with the default `max_prompt_tokens` filled in: the model's positions (a prompt beyond them
+        cannot be encoded without bounded positions, and its prefill alone would hold the engine for minutes)."""
+        if self.max_prompt_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_prompt_tokens=model_positions(engine))
+
+
+class Cancelled(Exception):
+    """The client went away: the request's work stops at the next prefill chunk or decode step."""
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled
+
+
+def model_positions(engine) -> int | None:
+    return getattr(engine.model.config, "max_position_embeddings", None)
+
+
+def run_op(session, op, ranges: list[tuple[int, int]], lock, cancel: threading.Event | None = None) -> None:
+    """`apply_op`, cancellable between prefill chunks: an append runs as one chunk-sized append per forward (the
+    first opens the message, the rest continue it) — the same forwards, so the same state and history — holding
+    the engine lock per chunk, so other requests interleave at chunk granularity too."""
+    check_cancel(cancel)
+    chunk = session.config.chunk
+    if op[0] != "append" or len(op[2]) <= chunk:
+        apply_op(session, op, ranges, lock)
+        return
+    tokens = list(op[2])
+    for start in range(0, len(tokens), chunk):
+        if start:
+            check_cancel(cancel)
+        with lock:
+            session.append(tokens[start : start + chunk], kind=op[1], continue_message=start > 0, logits=None)
 
 
 class _Deadline(Exception):
@@ -61,8 +101,10 @@ class TimedDecoder(Decoder):
 
     deadline: float | None = None
     timed_out: bool = False
+    cancel: threading.Event | None = None  # set when the client has gone: the next step raises Cancelled
 
     def _step(self, tok: int) -> None:
+        check_cancel(self.cancel)
         expired = self.deadline is not None and time.monotonic() > self.deadline
         if expired and not self.append_last:  # a private fork: the token is in the reply, its KV is not needed
             raise _Deadline
@@ -119,12 +161,20 @@ def stop_ids(engine) -> frozenset[int]:
     return frozenset(ids)
 
 
-def prompt_token_count(tokenizer, messages: list[dict], tools: list | None, generation_prompt: bool = True) -> int:
-    """Tokens of the whole prompt, rendered by the chat template once (linear in the messages)."""
+def prompt_token_count(tokenizer, messages: list[dict], tools: list | None, generation_prompt: bool = True,
+                       limits: ServeLimits | None = None, per_token: float | None = None) -> int:
+    """Tokens of the whole prompt, rendered by the chat template once (linear in the messages). With `limits` and
+    `per_token` (`prompt_bound.bytes_per_token`): a rendering whose size alone proves it over `max_prompt_tokens`
+    is refused before it is tokenized."""
     from kvsteward.serve.engine.ops import _render
 
-    return len(tokenizer.encode(_render(tokenizer, messages, tools, add_generation_prompt=generation_prompt),
-                                add_special_tokens=False))
+    text = _render(tokenizer, messages, tools, add_generation_prompt=generation_prompt)
+    cap = None if limits is None else limits.max_prompt_tokens
+    if cap is not None and min_tokens(text, per_token) > cap:
+        raise OpsError(f"the prompt has at least {min_tokens(text, per_token)} tokens ({len(text.encode())} bytes, at "
+                       f"most {per_token:g} bytes a token), over this server's limit of {cap}", "messages",
+                       "context_length_exceeded")
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def check_message_count(n: int, limits: ServeLimits, param: str = "messages") -> None:
@@ -139,7 +189,7 @@ def check_prompt_size(engine, limits: ServeLimits, n_prompt: int, n_new: int, un
     if limits.max_prompt_tokens is not None and n_prompt > limits.max_prompt_tokens:
         raise OpsError(f"the prompt has {n_prompt} tokens, over this server's limit of {limits.max_prompt_tokens}",
                        "messages", "context_length_exceeded")
-    max_pos = getattr(engine.model.config, "max_position_embeddings", None)
+    max_pos = model_positions(engine)
     if unbounded and max_pos is not None and n_prompt + n_new > max_pos:
         raise OpsError(f"context length exceeded: {n_prompt} prompt tokens + {n_new} max_tokens > {max_pos} "
                        "positions of the model (lower max_tokens, drop + reposition, or use bounded positions via "
@@ -155,6 +205,13 @@ def check_context(engine, session, n_new: int) -> None:
                        "'limit')", "messages", "context_length_exceeded")
 
 
+def cache_root(owner: str | None, spec: SessionSpec) -> object:
+    """The prefix-cache root of a request: its owner, then its session config. Owners never share a state: a hit
+    (its `reused_tokens`, or its latency) would tell one API key what another one sent. The anonymous owner (no API
+    keys) roots at the bare config, as the cache did before owners (a SessionSpec is never a tuple: no clash)."""
+    return spec if owner is None else (owner, spec)
+
+
 class ChatService:
     def __init__(self, engine, defaults: SessionSpec, cache_bytes: int, limits: ServeLimits, metrics,
                  lock: threading.Lock | None = None, checkpoints: bool = True):
@@ -166,11 +223,15 @@ class ChatService:
         self.cache = PrefixCache(cache_bytes, metrics)
         self.checkpoints = checkpoints
         self.stop_ids = stop_ids(engine)
+        self.per_token = bytes_per_token(engine.tokenizer)  # once: the bound reads the whole vocabulary
 
-    def prepare(self, body: dict, t0: float | None = None) -> Prepared:
+    def prepare(self, body: dict, t0: float | None = None, owner: str | None = None,
+                cancel: threading.Event | None = None) -> Prepared:
         """Validate the request, build (or reuse) its prompt state, open the assistant reply. Every limit is checked
         before the first forward (a refused request leaves the prefix cache as it was). `t0`: the request's arrival
-        (time.monotonic(); the start of its `request_timeout`)."""
+        (time.monotonic(); the start of its `request_timeout`). `owner`: whose prefix-cache partition serves and
+        keeps its states (None: the one anonymous owner of a server without keys). `cancel`: set when the client
+        has gone; the work stops at the next prefill chunk or decode step (`Cancelled`)."""
         t0 = time.monotonic() if t0 is None else t0
         tok = self.engine.tokenizer
         raw = body.get("messages")
@@ -182,7 +243,8 @@ class ChatService:
         stops = stop_strings(body.get("stop"))
         cache = parse_cache(body.get("cache"), len(messages))
         bare = session_spec(self.engine, self.defaults, body.get("policy"), body.get("budget"), body.get("limit"))
-        check_prompt_size(self.engine, self.limits, prompt_token_count(tok, messages, tools), n_new,
+        n_prompt = prompt_token_count(tok, messages, tools, limits=self.limits, per_token=self.per_token)
+        check_prompt_size(self.engine, self.limits, n_prompt, n_new,
                           unbounded=bare.limit is None and not cache.reposition)
         pieces = message_pieces(tok, messages, tools)
         ranges = message_ranges(pieces)
@@ -191,7 +253,8 @@ class ChatService:
         ops = build_ops(pieces, [ROLE_KIND[m["role"]] for m in messages], cache)
         gen_prompt = generation_prompt_ids(tok, messages, tools)
 
-        session, match = self._build_match(spec, ops, ranges, room=len(gen_prompt) + n_new)
+        session, match = self._build_match(spec, ops, ranges, room=len(gen_prompt) + n_new, owner=owner,
+                                           cancel=cancel)
         depth = match.depth
         reused = sum(op_tokens(op) for op in ops[:depth])
         requested = ranges[-1][1]
@@ -199,37 +262,40 @@ class ChatService:
         info = {"reused_tokens": reused, "resident_tokens": session.resident, "history_len": len(session.history),
                 "history_key": session.history_key(), "next_position": session.next_pos,
                 "prefix_match": match.kind}
+        check_cancel(cancel)
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
         timeout = self.limits.request_timeout
         decoder = TimedDecoder(session, tok, self.lock, n_new, self.stop_ids, stops,
-                               deadline=None if timeout is None else t0 + timeout)
+                               deadline=None if timeout is None else t0 + timeout, cancel=cancel)
         return Prepared(session, decoder, prompt_tokens=requested + len(gen_prompt), reused_tokens=reused, info=info)
 
-    def _build(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]]):
+    def _build(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]], owner: str | None = None):
         """(session, depth): see `_build_match`."""
-        session, match = self._build_match(spec, ops, ranges)
+        session, match = self._build_match(spec, ops, ranges, owner=owner)
         return session, match.depth
 
-    def _build_match(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]], room: int | None = None):
+    def _build_match(self, spec: SessionSpec, ops: list, ranges: list[tuple[int, int]], room: int | None = None,
+                     owner: str | None = None, cancel: threading.Event | None = None):
         """Fork the deepest cached prefix (exact, or a repositioned version of it restored by re-rotation: see
         `PrefixCache.lookup`), apply the rest, cache the result (and checkpoints on the way); (session, Match).
         `room`: tokens still to come (generation prompt + reply); a state without room for them below the model's
         positions is refused (`check_context`) before it is cached — what a `reposition` gives back is known only
-        once it ran."""
-        match = self.cache.lookup(spec, ops, self.lock)
+        once it ran. The cache is partitioned by `owner` (`cache_root`)."""
+        root = cache_root(owner, spec)
+        match = self.cache.lookup(root, ops, self.lock)
         session, depth = match.session, match.depth
         if session is None:
             session = spec.new_session(self.engine)
         marks = self._checkpoint_depths(ops) if self.checkpoints else set()
         for i in range(depth, len(ops)):
-            apply_op(session, ops[i], ranges, self.lock)
+            run_op(session, ops[i], ranges, self.lock, cancel)
             if i + 1 in marks and i + 1 < len(ops):
-                self.cache.insert(spec, ops[: i + 1], session)
+                self.cache.insert(root, ops[: i + 1], session)
         if room is not None:
             check_context(self.engine, session, room)
         if depth < len(ops) or match.kind == "compatible":  # a restored state(ops) is not held yet either
-            self.cache.insert(spec, ops, session)
+            self.cache.insert(root, ops, session)
         return session, match
 
     @staticmethod
@@ -239,9 +305,10 @@ class ChatService:
         appends = [i for i, op in enumerate(ops) if op[0] == "append"]
         return {appends[-1], appends[-1] + 1}
 
-    def complete(self, body: dict, t0: float | None = None) -> dict:
+    def complete(self, body: dict, t0: float | None = None, owner: str | None = None,
+                 cancel: threading.Event | None = None) -> dict:
         t0 = time.monotonic() if t0 is None else t0
-        prep = self.prepare(body, t0)
+        prep = self.prepare(body, t0, owner, cancel)
         text = prep.decoder.run()
         self.metrics.generated_tokens.inc(len(prep.decoder.tokens))
         return completion_object(body, prep, text, t0)

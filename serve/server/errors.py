@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.engine.session import CacheOpError
+from kvsteward.serve.server.completions import Cancelled
 from kvsteward.serve.server.store import CorruptSession, IdempotencyConflict, RebuildError, SessionNotFound
 
 
@@ -69,6 +70,11 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(RebuildError)
     async def _rebuild(_, exc: RebuildError):
         return error_response(500, str(exc), "server_error")
+
+    @app.exception_handler(Cancelled)
+    async def _gone(_, exc: Cancelled):  # nobody reads it: the status is for the access log and the metrics
+        return error_response(499, "the client closed the connection: the request's work was cancelled",
+                              "client_closed_request")
 
     @app.exception_handler(BodyTooLarge)
     async def _large(_, exc: BodyTooLarge):

@@ -67,7 +67,6 @@ from kvsteward.serve.engine.ops import (
     CacheSpec,
     OpsError,
     SessionSpec,
-    apply_op,
     build_ops,
     generation_prompt_ids,
     message_pieces,
@@ -79,7 +78,14 @@ from kvsteward.serve.engine.ops import (
 from kvsteward.serve.manager.planner import plan_blueprint
 from kvsteward.serve.manager.thread import fork_point, open_cursors
 from kvsteward.serve.manager.worker import AuxConfig, AuxJob, AuxWorker
-from kvsteward.serve.server.completions import TimedDecoder, check_context, max_new_tokens, stop_strings
+from kvsteward.serve.server.completions import (
+    TimedDecoder,
+    check_cancel,
+    check_context,
+    max_new_tokens,
+    run_op,
+    stop_strings,
+)
 from kvsteward.serve.server.decode import Decoder
 
 ID_RE = re.compile(r"^sess_[0-9a-f]{24}$")
@@ -359,15 +365,18 @@ class SessionStore:
         """Context of one main request (the aux worker starts no forward meanwhile)."""
         return self.lock.main() if hasattr(self.lock, "main") else nullcontext()
 
-    def run_turn(self, sid: str, body: dict, owner: str | None = None, idempotency_key: str | None = None) -> dict:
+    def run_turn(self, sid: str, body: dict, owner: str | None = None, idempotency_key: str | None = None,
+                 cancel: threading.Event | None = None) -> dict:
         """A whole main turn: acquire (restore if needed), turn, release. With `idempotency_key`: exactly once — a
-        retry of a persisted turn with the same key returns its stored response and appends nothing."""
+        retry of a persisted turn with the same key returns its stored response and appends nothing. `cancel`: set
+        when the client has gone; the turn stops at its next prefill chunk or decode step (`Cancelled`), persists
+        nothing, and the session is rebuilt from its log on next use."""
         if idempotency_key is not None:
             _check_key(idempotency_key)
         with self.main():
             rec = self.acquire(sid, owner=owner)  # loaded: its key index is the log's
             try:
-                return self.turn(rec, body, idempotency_key=idempotency_key)
+                return self.turn(rec, body, idempotency_key=idempotency_key, cancel=cancel)
             finally:
                 self.release(rec)
 
@@ -565,7 +574,8 @@ class SessionStore:
         self._publish()
 
     # -- a turn -----------------------------------------------------------------------------------------------------
-    def turn(self, rec: Record, body: dict, idempotency_key: str | None = None) -> dict:
+    def turn(self, rec: Record, body: dict, idempotency_key: str | None = None,
+             cancel: threading.Event | None = None) -> dict:
         """Append new messages (+ their cache ops), optionally generate a reply, persist, then answer. With
         `idempotency_key`: if a persisted turn of this session carries it, return its stored response (nothing is
         appended; `IdempotencyConflict` if its request body differs); else the turn is persisted with the key, the
@@ -627,7 +637,7 @@ class SessionStore:
             if blueprint is not None:  # installed before any of the turn's ops (new list: forks keep theirs)
                 session.config.blueprint = list(blueprint)
             reply = self._apply(rec, session, msgs, ops, generate, n_new, stops,
-                                None if fork_at is None else (fork_at - n_old, take_fork))
+                                None if fork_at is None else (fork_at - n_old, take_fork), cancel)
             new_messages = new + ([{"role": "assistant", "content": reply["content"]}] if reply else [])
             record = {"type": "turn", "turn": rec.turns, "messages": new_messages, "cache": cache.as_json(),
                       "ops": session.history[h0:], "reply": reply}
@@ -732,7 +742,8 @@ class SessionStore:
         check_context(self.engine, session, n)
 
     def _apply(self, rec: Record, session, msgs: list[dict], ops: list, generate: bool, n_new: int,
-               stops: tuple[str, ...], fork: tuple | None = None) -> dict | None:
+               stops: tuple[str, ...], fork: tuple | None = None,
+               cancel: threading.Event | None = None) -> dict | None:
         """Run the ops, then the reply. `fork`: (k, callback) — call it once the ops of the turn's k-th new message
         (0-based, the ops that belong right after it included) have run, before the next append or the reply."""
         from kvsteward.serve.server.completions import stop_ids
@@ -748,7 +759,7 @@ class SessionStore:
                 ranges.append((offset, offset + len(op[2])))
                 offset += len(op[2])
                 appended += 1
-            apply_op(session, op, ranges, self.lock)
+            run_op(session, op, ranges, self.lock, cancel)
         if fork is not None:
             fork[1]()
         if not generate:
@@ -759,8 +770,9 @@ class SessionStore:
         with self.lock:
             session.append(gen_prompt, kind="assistant", logits=None)
         timeout = self.limits.request_timeout  # counted from the reply's start: the turn's ops ran before it
+        check_cancel(cancel)
         dec = TimedDecoder(session, tok, self.lock, n_new, stop_ids(self.engine), stops, append_last=True,
-                           deadline=None if timeout is None else time.monotonic() + timeout)
+                           deadline=None if timeout is None else time.monotonic() + timeout, cancel=cancel)
         text = dec.run()
         self._close_reply(session, msgs, rec.tools, gen_prompt, dec)
         self.metrics.generated_tokens.inc(len(dec.tokens))
