@@ -294,6 +294,129 @@ def apply_rope(raw_k: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> 
     return _rotate(raw_k.to(torch.float64), cos, sin, spec)
 
 
+# ------------------------------------------------------------------------------------------------ per-layer specs
+
+@dataclass(frozen=True, eq=False)
+class ModelRope:
+    """The rotary spec of every layer of a model. A layer's spec is None when it applies no RoPE (SmolLM3's
+    `no_rope_layers`): its keys do not depend on position, so a reposition leaves them as they are. Layers that
+    rotate alike share one RopeSpec object (Gemma3: one for the local layers, one for the global ones), so the float64
+    cos/sin of a move are evaluated once per distinct spec, not once per layer."""
+
+    layers: tuple[RopeSpec | None, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a ModelRope needs at least one layer")
+        dims = {s.head_dim for s in self.layers if s is not None}
+        if len(dims) > 1:
+            raise ValueError(f"layers disagree on head_dim: {sorted(dims)}")
+
+    @classmethod
+    def uniform(cls, spec: RopeSpec, n_layers: int) -> ModelRope:
+        return cls((spec,) * n_layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> RopeSpec | None:
+        return self.layers[layer]
+
+    @property
+    def specs(self) -> list[RopeSpec]:
+        """The distinct specs, in order of first use."""
+        return list({id(s): s for s in self.layers if s is not None}.values())
+
+    @property
+    def single(self) -> RopeSpec:
+        """The one spec every layer uses; raises for a model whose layers differ (or that skip RoPE somewhere)."""
+        specs = self.specs
+        if len(specs) != 1 or any(s is None for s in self.layers):
+            raise ValueError(f"the layers of this model rotate differently ({self.describe()}): use the per-layer "
+                             f"spec (rope[layer])")
+        return specs[0]
+
+    # The common one-spec case reads like a RopeSpec (the float64 reference, reports).
+    inv_freq = property(lambda self: self.single.inv_freq)
+    layout = property(lambda self: self.single.layout)
+    rotary_dim = property(lambda self: self.single.rotary_dim)
+    head_dim = property(lambda self: self.single.head_dim)
+
+    def describe(self) -> str:
+        """e.g. 'split_half/default rotary_dim=64 theta-set 0 (layers 0-2, 4-6), no RoPE (layers 3, 7)'."""
+        groups: dict[int, tuple[str, list[int]]] = {}
+        for i, s in enumerate(self.layers):
+            label = "no RoPE" if s is None else f"{s.layout}/{s.rope_type} rotary_dim={s.rotary_dim} " \
+                                                f"inv_freq[0..1]={s.inv_freq[:2].tolist()}"
+            groups.setdefault(id(s), (label, []))[1].append(i)
+        return "; ".join(f"{label} (layers {_ranges(idx)})" for label, idx in groups.values())
+
+    def rotations(self, delta: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin of `delta` for every distinct spec (keyed by id), evaluated once each (float64, cast once)."""
+        return {id(s): rotation_cos_sin(delta, s) for s in self.specs}
+
+    def rerotate_layer(self, layer: int, ref_k: torch.Tensor, delta: torch.Tensor, out_dtype: torch.dtype,
+                       rotations: dict | None = None, backend: str = "auto") -> torch.Tensor:
+        """R(delta) ref_k with layer `layer`'s spec; a layer without RoPE returns its keys unchanged (cast)."""
+        spec = self.layers[layer]
+        if spec is None:
+            return ref_k.to(out_dtype)
+        cos_sin = rotations.get(id(spec)) if rotations is not None else None
+        return rerotate(ref_k, delta, spec, out_dtype, backend=backend, cos_sin=cos_sin)
+
+
+def _ranges(idx: list[int]) -> str:
+    out, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None], strict=True):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def as_model_rope(rope: RopeSpec | ModelRope, n_layers: int) -> ModelRope:
+    return rope if isinstance(rope, ModelRope) else ModelRope.uniform(rope, n_layers)
+
+
+def _layer_types(config) -> list[str | None]:
+    """Each layer's rope-parameter key (Gemma3: 'sliding_attention' / 'full_attention'), or None per layer when the
+    config's rope parameters are one flat dict."""
+    n = config.num_hidden_layers
+    cfg = copy.deepcopy(config)
+    params = getattr(cfg, "rope_parameters", None)
+    if not params:
+        return [None] * n
+    cfg.standardize_rope_params()
+    nested = _nested_keys(cfg, cfg.rope_parameters)
+    if not nested:
+        return [None] * n
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != n or any(t not in nested for t in types):
+        raise UnsupportedRope(f"rope_parameters are nested by {nested} but layer_types {types} do not name one for "
+                              f"each of the {n} layers")
+    return types
+
+
+def config_model_rope(config, layout: str = "split_half") -> ModelRope:
+    """Per-layer specs read from an HF config alone (no model to probe: the SGLang backend): `no_rope_layers`
+    (SmolLM3: 0 = the layer applies no RoPE) and rope parameters nested by `layer_types` (Gemma3). Every other
+    per-layer rotary difference is invisible in a config: `detect_model_rope` probes a model instead."""
+    n = config.num_hidden_layers
+    use_rope = getattr(config, "no_rope_layers", None)
+    if use_rope is not None and len(use_rope) != n:
+        raise UnsupportedRope(f"no_rope_layers has {len(use_rope)} entries for {n} layers")
+    by_type: dict[str | None, RopeSpec] = {}
+    layers: list[RopeSpec | None] = []
+    for i, layer_type in enumerate(_layer_types(config)):
+        if use_rope is not None and not use_rope[i]:
+            layers.append(None)
+            continue
+        if layer_type not in by_type:
+            by_type[layer_type] = rope_spec(config, layout, layer_type)
+        layers.append(by_type[layer_type])
+    return ModelRope(tuple(layers))
+
+
 # ------------------------------------------------------------------------------------------------ spec from a model
 
 # Tolerance of the probe (max abs error / max |key|) by the model's dtype: a few roundings of the key and of cos/sin
@@ -303,35 +426,51 @@ _PROBE_TOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, tor
 _PROBE_TOKENS = 24
 
 
-class _Captured(Exception):
-    """Raised by _CaptureCache once it has the first layer's keys: the rest of the forward is not needed."""
-
-
 class _CaptureCache:
-    """The cache protocol the engine gives the model (`update` per layer): keeps layer 0's keys, then stops."""
+    """The cache protocol the engine gives the model (`update` per layer): keeps every layer's keys, caches
+    nothing (each forward is a fresh prefill)."""
 
     is_compileable = False
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
+        self.keys: dict[int, torch.Tensor] = {}
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        self.keys = key_states.detach()
-        raise _Captured
+        self.keys[layer_idx] = key_states.detach()
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
 
-def _probe_attention(*args, **kwargs):
-    raise _Captured  # attention is never needed: a model that computes it before caching its keys is not probed
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    # Attention's output is not needed: every layer's input is made equal across the two rows anyway (see _keys).
+    return torch.zeros_like(query).transpose(1, 2).contiguous(), None
 
 
 _PROBE_ATTENTION = "kvsteward_rope_probe"
 
 
-def _layer0_keys(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-    """The first layer's keys [kv_heads, n, head_dim] as the model's attention hands them to the cache (after RoPE).
+def _attention_modules(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
+            and type(m).__name__.endswith("Attention")]
+
+
+def _same_input_hook(module, args, kwargs):
+    """Row 1 of the probe batch gets row 0's hidden states: each layer's keys then differ between the rows by the
+    rotation of their positions alone, not by what earlier layers made of those positions."""
+    if "hidden_states" in kwargs:
+        h = kwargs["hidden_states"].clone()
+        h[1] = h[0]
+        return args, {**kwargs, "hidden_states": h}
+    h = args[0].clone()
+    h[1] = h[0]
+    return (h, *args[1:]), kwargs
+
+
+def _keys(model, tokens: torch.Tensor, positions: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every layer's keys [2, kv_heads, n, head_dim] for `tokens` at positions[0] (row 0) and positions[1] (row 1),
+    as each attention hands them to the cache (after its RoPE), both rows computed from the same layer input.
 
     Runs under a registered attention name with no mask function (as the engine's own "steward" attention), so
     transformers builds no mask from the stub cache."""
@@ -342,14 +481,15 @@ def _layer0_keys(model, tokens: torch.Tensor, positions: torch.Tensor) -> torch.
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = _PROBE_ATTENTION
+    hooks = [m.register_forward_pre_hook(_same_input_hook, with_kwargs=True) for m in _attention_modules(model)]
     try:
         with torch.no_grad():
-            model(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
-    except _Captured:
-        pass
+            model(input_ids=tokens[None].expand(2, -1), position_ids=positions, past_key_values=cache, use_cache=True)
     finally:
         config._attn_implementation = previous
-    return None if cache.keys is None else cache.keys[0]
+        for h in hooks:
+            h.remove()
+    return cache.keys
 
 
 def _candidates(config, layer_type: str | None):
@@ -367,15 +507,38 @@ def _candidates(config, layer_type: str | None):
                 continue
 
 
-def detect_rope_spec(model, layer_type: str | None = None, seed: int = 0) -> RopeSpec:
-    """The RopeSpec that reproduces the model's own rotary code, found by probing the model itself.
+def _layer_spec(name: str, layer: int, k_old: torch.Tensor, k_new: torch.Tensor, delta: torch.Tensor,
+                candidates: list[RopeSpec], tol: float) -> RopeSpec | None:
+    """The candidate (or None: no RoPE) with R(delta) K_old == K_new at this layer; UnsupportedRope naming the layer
+    when none does."""
+    if candidates and candidates[0].head_dim != k_old.shape[-1]:
+        raise UnsupportedRope(f"{name}: layer {layer}'s keys have {k_old.shape[-1]} dims but the config says "
+                              f"head_dim {candidates[0].head_dim}")
+    scale = k_new.abs().max().item() or 1.0
+    tried = [((k_old - k_new).abs().max().item() / scale, None)]
+    for spec in candidates:
+        err = (rerotate_reference(k_old, delta, spec, torch.float64) - k_new).abs().max().item() / scale
+        tried.append((err, spec))
+    err, best = min(tried, key=lambda t: t[0])
+    if err > tol:
+        got = ", ".join("no RoPE: " if s is None else f"{s.layout}/rotary_dim={s.rotary_dim}: " + f"{e:.1e}"
+                        for e, s in tried)
+        raise UnsupportedRope(f"{name}: at layer {layer} no exact re-rotation reproduces the model's own rotary code "
+                              f"(relative error {got}; tolerance {tol:.0e}), so the engine cannot reposition its keys "
+                              f"exactly")
+    return best
+
+
+def detect_model_rope(model, seed: int = 0) -> ModelRope:
+    """The rotary spec of every layer, found by probing the model itself.
 
     The config does not say how a model applies RoPE: GLM rotates interleaved pairs of the first half of the head,
     HF's Llama ignores a `partial_rotary_factor` in its config and rotates the whole head, Phi / StableLM rotate a
-    leading slice. So the same tokens are run through the model at positions p and p' (only up to the first layer's
-    cache update: those keys depend on the token alone, not on its context), and the spec (layout x rotary dim) with
-    R(p' - p) K(p) == K(p') is taken. None matching (or the model not handing keys to the cache) raises
-    UnsupportedRope: the engine refuses what it cannot re-rotate exactly.
+    leading slice, SmolLM3 skips RoPE in every 4th layer, Gemma3 uses other frequencies in its local layers. So the
+    same tokens run at positions p (batch row 0) and p' (row 1), every attention's input made equal across the rows,
+    and per layer the spec (no RoPE, or layout x rotary dim of the layer type's parameters) with
+    R(p' - p) K(p) == K(p') is taken. A layer none matches (or a model not handing keys to the cache) raises
+    UnsupportedRope naming the layer: the engine refuses what it cannot re-rotate exactly.
     """
     config = model.config
     name = f"{getattr(config, 'model_type', '?')} ({type(model).__name__})"
@@ -385,24 +548,23 @@ def detect_rope_spec(model, layer_type: str | None = None, seed: int = 0) -> Rop
     tokens = torch.randint(0, config.vocab_size, (n,), generator=gen)
     old = 16 + 3 * torch.arange(n)  # distinct, moderate positions: fp32 angle error stays ~1e-6
     delta = torch.randint(-13, 14, (n,), generator=gen)
-    k_old = _layer0_keys(model, tokens.to(param.device), old.to(param.device))
-    k_new = _layer0_keys(model, tokens.to(param.device), (old + delta).to(param.device))
-    if k_old is None or k_new is None:
-        raise UnsupportedRope(f"{name}: its attention does not hand keys to past_key_values.update, so the engine "
-                              f"cannot read (or re-rotate) its keys")
-    k_old, k_new = k_old.double().cpu(), k_new.double().cpu()
-    scale = k_new.abs().max().item() or 1.0
+    keys = _keys(model, tokens.to(param.device), torch.stack([old, old + delta]).to(param.device))
+    n_layers = config.num_hidden_layers
+    missing = [i for i in range(n_layers) if i not in keys]
+    if missing:
+        raise UnsupportedRope(f"{name}: its attention does not hand keys to past_key_values.update (layers "
+                              f"{_ranges(missing)}), so the engine cannot read (or re-rotate) its keys")
     tol = _PROBE_TOL.get(param.dtype, 5e-2)
-    tried = []
-    for spec in _candidates(config, layer_type):
-        if spec.head_dim != k_old.shape[-1]:
-            raise UnsupportedRope(f"{name}: keys have {k_old.shape[-1]} dims but the config says head_dim "
-                                  f"{spec.head_dim}")
-        err = (rerotate_reference(k_old, delta, spec, torch.float64) - k_new).abs().max().item() / scale
-        tried.append((err, spec))
-    err, best = min(tried, key=lambda t: t[0])
-    if err > tol:
-        got = ", ".join(f"{s.layout}/rotary_dim={s.rotary_dim}: {e:.1e}" for e, s in tried)
-        raise UnsupportedRope(f"{name}: no exact re-rotation reproduces the model's own rotary code (relative error "
-                              f"{got}; tolerance {tol:.0e}), so the engine cannot reposition its keys exactly")
-    return best
+    candidates: dict[str | None, list[RopeSpec]] = {}
+    layers = []
+    for i, layer_type in enumerate(_layer_types(config)):
+        if layer_type not in candidates:
+            candidates[layer_type] = list(_candidates(config, layer_type))
+        k = keys[i].double().cpu()
+        layers.append(_layer_spec(name, i, k[0], k[1], delta, candidates[layer_type], tol))
+    return ModelRope(tuple(layers))
+
+
+def detect_rope_spec(model, seed: int = 0) -> RopeSpec:
+    """The one RopeSpec every layer of `model` uses (`detect_model_rope(model).single`)."""
+    return detect_model_rope(model, seed).single

@@ -36,7 +36,7 @@ def op_logit_errors(engine: Engine, n: int = 256, seed: int = 0) -> dict[str, fl
     out = {}
     for name in ("drop", "reposition", "refresh"):
         s = engine.session("full", chunk=128)
-        ref = ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
+        ref = ReferenceSession.with_rope(engine.model, engine.rope)
         for sess in (s, ref):
             sess.append(x)
             sess.drop(victims)

@@ -299,7 +299,7 @@ def match_prefix_scaling(message_counts: tuple[int, ...] = (8, 32, 128), message
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
     from transformers import LlamaConfig
 
-    from kvsteward.kernels.rope import rope_spec
+    from kvsteward.kernels.rope import config_model_rope
     from kvsteward.serve.sglang.ops import SglangHistory, request_fields
     from kvsteward.serve.sglang.tree import OpRadixCache
 
@@ -327,7 +327,7 @@ def match_prefix_scaling(message_counts: tuple[int, ...] = (8, 32, 128), message
         alloc = TokenToKVPoolAllocator(slots, torch_dtype, "cpu", pool, need_sort=False)
         rows = ReqToTokenPool(4, 1 << 16, "cpu", False)
         params = CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=1)
-        return (cls(params, rope=rope_spec(config)) if cls is OpRadixCache else cls(params)), rows, alloc
+        return (cls(params, rope=config_model_rope(config)) if cls is OpRadixCache else cls(params)), rows, alloc
 
     def match(cache, req):
         ids = req.origin_input_ids

@@ -16,7 +16,7 @@ from kvsteward.serve.engine.spill import SpillStore, host_store
 class Engine:
     def __init__(self, model, tokenizer=None, trigger_style: str = "ids", aux_context: str = "full",
                  close_bias: float = 0.0, min_confidence: float | None = None):
-        from kvsteward.kernels.rope import detect_rope_spec
+        from kvsteward.kernels.rope import detect_model_rope
         from kvsteward.models import check_close_bias, check_min_confidence
         from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
 
@@ -48,10 +48,12 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        # The layout and rotary dim as the model's own rotary code applies them (probed on the model: GLM interleaves,
-        # HF's Llama ignores partial_rotary_factor); raises UnsupportedRope for types a static re-rotation cannot make
-        # exact and for rotary code no spec reproduces.
-        self.rope = detect_rope_spec(model)
+        # Each layer's layout and rotary dim as the model's own rotary code applies them (probed on the model: GLM
+        # interleaves, HF's Llama ignores partial_rotary_factor, SmolLM3 skips RoPE in some layers, Gemma3's local
+        # layers use other frequencies); raises UnsupportedRope, naming the layer, for types a static re-rotation
+        # cannot make exact and for rotary code no spec reproduces.
+        self.rope = detect_model_rope(model)
+        self.sliding_window_layer, self.sliding_window = _sliding_window(model)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         self._spill: SpillStore | None = None
@@ -123,3 +125,59 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+_KWARGS_PROBE = "kvsteward_attention_kwargs_probe"
+
+
+class _NoCache:
+    is_compileable = False
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _attention_kwargs(model) -> dict[int, dict]:
+    """What each layer's attention passes to the attention function (sliding_window, softcap), read by running the
+    model once on two tokens with a recording attention (modules name their window in different places: Gemma3's
+    attribute, Mistral's config)."""
+    from transformers import AttentionInterface
+
+    seen: dict[int, dict] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        seen[module.layer_idx] = {k: kwargs.get(k) for k in ("sliding_window", "softcap")}
+        return torch.zeros_like(query).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(_KWARGS_PROBE, record)
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = _KWARGS_PROBE
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=_NoCache(),
+                  use_cache=True)
+    finally:
+        config._attn_implementation = previous
+    return seen
+
+
+def _sliding_window(model) -> tuple[int | None, int | None]:
+    """(layer, window) of the smallest sliding window among the model's attention layers, or (None, None).
+
+    The engine's attention has no window: it is exact for a sliding-window layer only while the resident tokens fit
+    in it (sessions check this before every forward). Logit soft-capping (Gemma2) it does not implement at all, so
+    such a model is refused here, naming the layer."""
+    best: tuple[int | None, int | None] = (None, None)
+    for layer, kwargs in sorted(_attention_kwargs(model).items()):
+        if kwargs["softcap"]:
+            raise ValueError(f"{model.config.model_type} layer {layer} soft-caps its attention logits, which the "
+                             f"engine's attention does not do: this model family is not one the engine runs")
+        window = kwargs["sliding_window"]
+        if window and (best[1] is None or window < best[1]):
+            best = (layer, int(window))
+    return best

@@ -29,12 +29,28 @@ def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tens
     return torch.cat([torch.stack([z.real, z.imag], dim=-1).flatten(-2), tail], dim=-1)
 
 
+def _sync_length(layer) -> None:
+    """A sliding-window layer (Gemma3's local layers) counts the tokens it has seen for its mask: after columns leave
+    or return, that is the columns it holds (exact while the session stays within the window)."""
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = layer.keys.shape[-2]
+
+
 class ReferenceSession:
     """Sequential replay of append / drop / reposition / refresh / evict / rehydrate on transformers' DynamicCache
-    (no eviction policy: evictions and rehydrations are taken from the history)."""
+    (no eviction policy: evictions and rehydrations are taken from the history).
 
-    def __init__(self, model, inv_freq: torch.Tensor, layout: str = "split_half"):
-        self.model, self.inv_freq, self.layout = model, inv_freq, layout
+    `inv_freq` / `layout`: one float64 frequency vector and layout for every layer, or one entry per layer, where an
+    `inv_freq` of None marks a layer that applies no RoPE (its keys stay as they are on a reposition)."""
+
+    def __init__(self, model, inv_freq: torch.Tensor | list[torch.Tensor | None],
+                 layout: str | list[str] = "split_half"):
+        n = model.config.num_hidden_layers
+        self.model = model
+        self.inv_freq = list(inv_freq) if isinstance(inv_freq, (list, tuple)) else [inv_freq] * n
+        self.layout = list(layout) if isinstance(layout, (list, tuple)) else [layout] * n
+        if len(self.inv_freq) != n or len(self.layout) != n:
+            raise ValueError(f"give one inv_freq and layout per layer ({n}), or one for all")
         self.cache = DynamicCache(config=model.config)
         self.logical: list[int] = []
         self.tokens: list[int] = []  # every logical token
@@ -55,6 +71,13 @@ class ReferenceSession:
         self.next_pos += n
         return out.logits[0].float()
 
+    @classmethod
+    def with_rope(cls, model, rope) -> ReferenceSession:
+        """A reference rotating each layer as `rope` (a `ModelRope`) says, e.g. the engine's probed spec."""
+        layers = getattr(rope, "layers", None) or [rope] * model.config.num_hidden_layers
+        return cls(model, [s.inv_freq if s is not None else None for s in layers],
+                   [s.layout if s is not None else "split_half" for s in layers])
+
     def _layers(self):
         return self.cache.layers
 
@@ -64,6 +87,7 @@ class ReferenceSession:
         for layer in self._layers():
             layer.keys = layer.keys[:, :, keep]
             layer.values = layer.values[:, :, keep]
+            _sync_length(layer)
         self.logical = [self.logical[i] for i in keep.tolist()]
         self.positions = [self.positions[i] for i in keep.tolist()]
 
@@ -84,14 +108,16 @@ class ReferenceSession:
             for layer, (k, v) in zip(self._layers(), kv, strict=True):
                 layer.keys = torch.cat([layer.keys[:, :, :at], k[:, :, None], layer.keys[:, :, at:]], dim=2)
                 layer.values = torch.cat([layer.values[:, :, :at], v[:, :, None], layer.values[:, :, at:]], dim=2)
+                _sync_length(layer)
             self.logical.insert(at, lg)
             self.positions.insert(at, pos)
 
     def reposition(self) -> None:
         r = len(self.logical)
         delta = torch.arange(r) - torch.tensor(self.positions)
-        for layer in self._layers():
-            layer.keys = rotate_complex(layer.keys, delta, self.inv_freq, self.layout).to(layer.keys.dtype)
+        for layer, inv_freq, layout in zip(self._layers(), self.inv_freq, self.layout, strict=True):
+            if inv_freq is not None:
+                layer.keys = rotate_complex(layer.keys, delta, inv_freq, layout).to(layer.keys.dtype)
         self.positions = list(range(r))
         self.next_pos = r
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvsteward.kernels.rope import rerotate, rotation_cos_sin
 from kvsteward.serve.engine.attention import ForwardContext, steward_attention_enabled
 from kvsteward.serve.engine.session import RESIDENT, Session, SessionConfig, _EngineCache, move_resident
 
@@ -103,7 +102,7 @@ def _segment_attention(module, query, key, value, attention_mask, scaling=None, 
     """Attention for a whole history batch: per segment, its original KV view (see module docstring)."""
     ctx: ForwardContext = steward
     plan: Plan = ctx.extra["plan"]
-    spec = ctx.extra["rope"]
+    rope = ctx.extra["rope"]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     hq, n, d = query.shape[1], query.shape[2], query.shape[3]
     out = torch.empty_like(query)
@@ -112,7 +111,7 @@ def _segment_attention(module, query, key, value, attention_mask, scaling=None, 
         q = query[:, :, seg.start : seg.end]
         old_k = key[:, :, seg.visible]
         if seg.visible.numel():
-            old_k = rerotate(old_k.float(), seg.delta, spec, key.dtype, cos_sin=cos_sin)
+            old_k = rope.rerotate_layer(module.layer_idx, old_k.float(), seg.delta, key.dtype, cos_sin)
         k = torch.cat([old_k, key[:, :, seg.start : seg.end]], dim=2)
         v = torch.cat([value[:, :, seg.visible], value[:, :, seg.start : seg.end]], dim=2)
         m = seg.end - seg.start
@@ -157,7 +156,7 @@ def restore(engine, config: SessionConfig, history: list[dict]) -> Session:
     t.reserve(n)
     ctx = ForwardContext(n_old=0, score_mode=config.policy.score_mode, n_layers=engine.n_layers,
                          extra={"plan": plan, "rope": engine.rope,
-                                "cos_sin": [rotation_cos_sin(seg.delta, engine.rope) if seg.visible.numel() else None
+                                "cos_sin": [engine.rope.rotations(seg.delta) if seg.visible.numel() else None
                                             for seg in plan.segments]})
     model = engine.model
     attention = steward_attention_enabled(model, "steward_segments")

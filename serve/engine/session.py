@@ -93,6 +93,9 @@ class _EngineCache:
 class Session:
     def __init__(self, engine, config: SessionConfig):
         config.validate()
+        window = getattr(engine, "sliding_window", None)
+        if window is not None and config.policy.evicts and config.budget + config.chunk > window:
+            raise CacheOpError(_window_refusal(engine, f"budget + chunk = {config.budget} + {config.chunk}"))
         self.engine = engine
         self.config = config
         self.table = SlotTable(engine.n_layers, engine.n_kv_heads, engine.head_dim, engine.dtype, engine.device)
@@ -143,6 +146,7 @@ class Session:
         (`"all"`, shape [len(tokens), vocab]), or None.
         """
         tokens = self._check_tokens(tokens)
+        self._check_window(len(tokens))
         if continue_message and self.current_step < 0:
             raise CacheOpError("continue_message=True but no message has been appended yet")
         if not continue_message:
@@ -167,6 +171,7 @@ class Session:
         """Greedy decode continuing the current message; every generated token is appended to the session."""
         if self.last_logits is None:
             raise CacheOpError("generate needs a non-empty session (append a prompt first)")
+        self._check_window(max_new_tokens)
         generated: list[int] = []
         kind = self.history[-1].get("kind", "assistant") if self.history else "assistant"
         for _ in range(max_new_tokens):
@@ -206,6 +211,20 @@ class Session:
         self._refresh({"op": "refresh"})
 
     # -- internals ----------------------------------------------------------------------------------------------
+    def _check_window(self, n_new: int) -> None:
+        """Refuse, before any work, an append / decode whose forwards would see more resident tokens than the model's
+        sliding window: the engine's attention reads every resident token, which is the model's own attention only
+        while they fit in the window."""
+        window = getattr(self.engine, "sliding_window", None)
+        if window is None:
+            return
+        if self.config.policy.evicts:
+            peak = max(self.table.n, self.config.budget) + min(n_new, self.config.chunk)
+        else:
+            peak = self.table.n + n_new
+        if peak > window:
+            raise CacheOpError(_window_refusal(self.engine, f"{peak} resident tokens in one forward"))
+
     def _refresh(self, record: dict) -> None:
         old = self.table
         r = old.n
@@ -394,6 +413,13 @@ class Session:
             self.config.spill.release([self.spilled.pop(i) for i in logical])
 
 
+def _window_refusal(engine, what: str) -> str:
+    layer, window = engine.sliding_window_layer, engine.sliding_window
+    return (f"{what} would exceed the sliding window of {window} tokens of layer {layer}: the engine's attention reads "
+            f"every resident token, which is this model's own attention only while they fit in the window (use an "
+            f"evicting policy with budget + chunk <= {window})")
+
+
 def _release_all(store: SpillStore, spilled: dict[int, str]) -> None:
     store.release(list(spilled.values()))
     spilled.clear()
@@ -401,14 +427,16 @@ def _release_all(store: SpillStore, spilled: dict[int, str]) -> None:
 
 def move_resident(t: SlotTable, rope, new_pos: torch.Tensor) -> None:
     """Give the resident slots the positions `new_pos`: K = R(new − p_ref) K_ref from the fp32 reference keys (taken
-    now if this is the first move), angles in float64, shared by every layer; V unchanged."""
-    from kvsteward.kernels.rope import rerotate, rotation_cos_sin
+    now if this is the first move), angles in float64 once per distinct layer spec (`ModelRope`); a layer without RoPE
+    keeps its keys; V unchanged."""
+    from kvsteward.kernels.rope import as_model_rope
 
+    rope = as_model_rope(rope, t.n_layers)
     t.own_rows()  # the keys are rewritten in place
     t.ensure_reference()
     r = t.n
     delta = new_pos - t.field("ref_pos")
-    cos_sin = rotation_cos_sin(delta, rope)
+    rotations = rope.rotations(delta)
     for layer in range(t.n_layers):
-        t.k[layer][:, :r] = rerotate(t.ref_k[layer][:, :r], delta, rope, t.dtype, cos_sin=cos_sin)
+        t.k[layer][:, :r] = rope.rerotate_layer(layer, t.ref_k[layer][:, :r], delta, t.dtype, rotations)
     t.meta["position"][:r] = new_pos

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvsteward.kernels.rope import RopeSpec, rerotate, rotation_cos_sin
+from kvsteward.kernels.rope import ModelRope, RopeSpec, as_model_rope
 
 
 def check_pool(pool: Any) -> None:
@@ -37,27 +37,34 @@ def check_pool(pool: Any) -> None:
                          "is not exact")
 
 
-def _rotate_into(pool: Any, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor, spec: RopeSpec) -> None:
-    """K[dst] = R(delta) K[src], V[dst] = V[src] for every layer (dst may equal src: in place)."""
+def _rotate_into(pool: Any, src: torch.Tensor, dst: torch.Tensor, delta: torch.Tensor,
+                 spec: RopeSpec | ModelRope) -> None:
+    """K[dst] = R(delta) K[src] with each layer's spec (a layer without RoPE copies K), V[dst] = V[src] for every
+    layer (dst may equal src: in place)."""
     device = pool.k_buffer[0].device
     src, dst, delta = src.to(device), dst.to(device), delta.to(device)
-    cos_sin = rotation_cos_sin(delta, spec)  # one float64 evaluation shared by all layers
-    for k_buf, v_buf in zip(pool.k_buffer, pool.v_buffer, strict=True):
+    first = getattr(pool, "start_layer", 0) or 0  # a pipeline stage's pool holds layers first, first + 1, ...
+    rope = as_model_rope(spec, first + len(pool.k_buffer))
+    if len(rope) < first + len(pool.k_buffer):
+        raise ValueError(f"the RoPE spec has {len(rope)} layers, the KV pool holds layers {first}.."
+                         f"{first + len(pool.k_buffer) - 1}")
+    rotations = rope.rotations(delta)  # one float64 evaluation per distinct spec, shared by its layers
+    for i, (k_buf, v_buf) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
         keys = k_buf[src].transpose(0, 1)  # [heads, n, head_dim]: rerotate wants the slot dim at -2
-        k_buf[dst] = rerotate(keys, delta, spec, k_buf.dtype, cos_sin=cos_sin).transpose(0, 1)
+        k_buf[dst] = rope.rerotate_layer(first + i, keys, delta, k_buf.dtype, rotations).transpose(0, 1)
         if not torch.equal(src, dst):
             v_buf[dst] = v_buf[src]
 
 
 def rerotate_in_place(pool: Any, slots: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,
-                      spec: RopeSpec) -> None:
+                      spec: RopeSpec | ModelRope) -> None:
     """Move the keys in `slots` from old to new positions in place (slots owned by one request only)."""
     check_pool(pool)
     _rotate_into(pool, slots.long(), slots.long(), (new_positions - old_positions).long(), spec)
 
 
 def position_version(pool: Any, allocator: Any, slots: torch.Tensor, old_positions: torch.Tensor,
-                     spec: RopeSpec) -> torch.Tensor | None:
+                     spec: RopeSpec | ModelRope) -> torch.Tensor | None:
     """New slots holding the keys of `slots` moved to positions 0..n-1 (V copied); the originals are untouched.
     None when the allocator has no room."""
     check_pool(pool)
@@ -82,7 +89,7 @@ def drop_from_row(req_to_token: torch.Tensor, row: int, length: int, drop: torch
 
 
 def reposition_row(pool: Any, req_to_token: torch.Tensor, row: int, length: int, old_positions: torch.Tensor,
-                   spec: RopeSpec) -> None:
+                   spec: RopeSpec | ModelRope) -> None:
     """Reposition a request's own (unshared) row in place: its `length` entries, whose keys sit at `old_positions`,
     move to positions 0..length-1 — the row index, SGLang's rule for where the next token goes."""
     slots = req_to_token[row, :length].long()

@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Mat
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from kvsteward.kernels.rope import RopeSpec
+from kvsteward.kernels.rope import ModelRope, RopeSpec
 from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import HistoryStore, SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
@@ -90,7 +90,7 @@ class _Walk:
 
 
 class OpRadixCache(RadixCache):
-    def __init__(self, params: CacheInitParams, rope: RopeSpec | None = None, plain_drop: bool = True):
+    def __init__(self, params: CacheInitParams, rope: RopeSpec | ModelRope | None = None, plain_drop: bool = True):
         if params.page_size != 1:
             raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
         if params.is_eagle:
@@ -430,43 +430,49 @@ def plain_drop_supported(ctx: Any) -> bool:
     return not reasons
 
 
-# Model types whose SGLang rotary code is verified to be rope_spec(config, "split_half"): split-half (neox style,
-# get_rope's default) over the whole head (sglang/srt/models/{llama,mistral,qwen2,qwen3,qwen2_moe,qwen3_moe}.py).
-# Other families differ in ways the config alone does not say (GLM / ChatGLM / GPT-J / Cohere: interleaved; Qwen2
-# ignores a partial_rotary_factor that SGLang's Llama applies): without KVSTEWARD_ROPE_LAYOUT they re-prefill.
+# Model types whose SGLang rotary code is verified to be rope_spec(config, "split_half") on every layer: split-half
+# (neox style, get_rope's default) over the whole head (sglang/srt/models/{llama,mistral,qwen2,qwen3,qwen2_moe,
+# qwen3_moe}.py). Other families differ in ways the config alone does not say (GLM / ChatGLM / GPT-J / Cohere:
+# interleaved; Qwen2 ignores a partial_rotary_factor that SGLang's Llama applies): without KVSTEWARD_ROPE_LAYOUT they
+# re-prefill. (sglang 0.5.21 has no SmolLM3; later releases' smollm3.py is Llama's attention without rotary_emb on the
+# `no_rope_layers`, which `config_model_rope` reads.)
 _SGLANG_SPLIT_HALF_FULL_HEAD = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
-def _unverified_rope(config: Any, spec: RopeSpec) -> str | None:
+def _unverified_rope(config: Any, rope: ModelRope) -> str | None:
     """Why the split-half guess is not known to be SGLang's own rotation for this config, or None."""
     model_type = getattr(config, "model_type", None)
     if model_type not in _SGLANG_SPLIT_HALF_FULL_HEAD:
         return f"model type {model_type!r} has no verified RoPE layout in SGLang"
     if getattr(config, "rope_is_neox_style", True) is False:
         return f"{model_type} with rope_is_neox_style=False (interleaved in SGLang)"
-    if spec.rotary_dim != spec.head_dim:
-        return f"{model_type} with partial rotary ({spec.rotary_dim} of {spec.head_dim} dims): unverified in SGLang"
+    partial = [s for s in rope.specs if s.rotary_dim != s.head_dim]
+    if partial:
+        return (f"{model_type} with partial rotary ({partial[0].rotary_dim} of {partial[0].head_dim} dims): "
+                f"unverified in SGLang")
     return None
 
 
-def model_rope_spec(model_config: Any) -> RopeSpec | None:
-    """The float64 RoPE spec of the served model, or None (then repositions fall back to re-prefill).
+def model_rope_spec(model_config: Any) -> ModelRope | None:
+    """The float64 RoPE spec of each layer of the served model, or None (then repositions fall back to re-prefill).
 
-    KVSTEWARD_ROPE_LAYOUT (split_half | interleaved) states the layout; unset, only the families whose SGLang code is
-    verified split-half over the whole head get a spec: a wrong guess would silently re-rotate to wrong keys."""
+    Read from the HF config (`config_model_rope`: SmolLM3's `no_rope_layers` keep their keys, Gemma3-style rope
+    parameters nested by layer type give each layer its type's spec). KVSTEWARD_ROPE_LAYOUT (split_half |
+    interleaved) states the layout; unset, only the families whose SGLang code is verified split-half over the whole
+    head get a spec: a wrong guess would silently re-rotate to wrong keys."""
     import os
 
-    from kvsteward.kernels.rope import UnsupportedRope, rope_spec
+    from kvsteward.kernels.rope import UnsupportedRope, config_model_rope
 
     layout = os.environ.get("KVSTEWARD_ROPE_LAYOUT")  # SGLang's neox style = HF rotate_half = "split_half"
     try:
         config = model_config.hf_text_config if hasattr(model_config, "hf_text_config") else model_config.hf_config
-        spec = rope_spec(config, layout=layout or "split_half")
-        why = None if layout else _unverified_rope(config, spec)
+        rope = config_model_rope(config, layout=layout or "split_half")
+        why = None if layout else _unverified_rope(config, rope)
         if why:
             raise UnsupportedRope(f"{why}; set KVSTEWARD_ROPE_LAYOUT=split_half or interleaved once checked against "
                                   f"SGLang's model code")
-        return spec
+        return rope
     except (UnsupportedRope, AttributeError) as e:
         logger.warning("kvsteward: no exact re-rotation for this model (%s): reposition ops will re-prefill", e)
         return None
