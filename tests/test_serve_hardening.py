@@ -369,7 +369,7 @@ def test_uvicorn_limits_apply_to_a_live_server(engine, tmp_path):
         assert server.server.config.limit_concurrency == 8 and server.server.config.timeout_keep_alive == 2
         assert status({}) == 200
         reply = unfinished_head(8000)  # refused by the h11 parser before the app: the head may not grow further
-        assert reply.split(b" ")[1] in (b"400", b"431"), reply
+        assert reply.split(b" ")[1] == b"431", reply  # headers too large (a long request line gets 414)
         assert status({}) == 200
 
 
