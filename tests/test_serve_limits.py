@@ -198,6 +198,23 @@ def test_work_stops_when_the_client_disconnects(engine, tmp_path, slow_forwards,
         assert TestClient(app).get(f"/v1/sessions/{sid}").json()["n_messages"] == 0
 
 
+def test_a_stream_stops_decoding_when_its_client_leaves(engine, tmp_path, slow_forwards):
+    """Hung up after the first chunk: the decode stops at its next token, and the main work ends (the aux thread
+    may run again)."""
+    app = create_app(engine, ServerConfig(data_dir=tmp_path))
+    with ServerThread(app) as url:
+        conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": SMALL, "max_tokens": 300,
+                                                                      "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.read1(100).startswith(b"data: ")
+        conn.close()
+        done = settles(slow_forwards)
+        assert done < 100, done  # a full run is 300 decode steps
+        assert app.state.scheduler._main == 0
+
+
 def test_a_cancellable_append_builds_the_same_state(engine):
     """`run_op` appends a long message chunk by chunk: the same state and history as one append."""
     from kvsteward.serve.server.completions import run_op

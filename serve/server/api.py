@@ -356,7 +356,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         body = await json_body(request)
         check_model(body)
         body.pop("model")
-        check_turn_size(body)
+        await run_in_threadpool(check_turn_size, body)  # tokenizing may take a while: not on the event loop
         return await until_done_or_gone(request, store.run_turn, session_id, body, owner=owner_of(request),
                                         idempotency_key=key)
 
