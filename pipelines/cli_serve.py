@@ -72,6 +72,11 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                                                                     "'Authorization: Bearer <key>'"),
           api_keys_file: Path = typer.Option(None, help="accepted keys, one a line: 'name:key' or a bare key; '#' "
                                                         "comments"),
+          public_system_prompts: Path = typer.Option(None, help="a JSON list of system prompts declared public: "
+                                                                "with API keys, the prefix-cache state of a "
+                                                                "conversation opening with one of them is shared by "
+                                                                "every key (default: none: each key's cache is its "
+                                                                "own)"),
           insecure_no_auth: bool = typer.Option(False, "--insecure-no-auth",
                                                 help="allow a non-loopback --host without any API key"),
           cors_origin: list[str] = typer.Option(None, "--cors-origin", help="an origin browsers may call from "
@@ -107,7 +112,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         public_model_id,
     )
     from kvsteward.serve.server.completions import ServeLimits
-    from kvsteward.synth.hindsight import check_aux_context
+    from kvsteward.synth.traces.hindsight import check_aux_context
 
     try:
         keys = parse_api_keys(api_key or (), [api_keys_file] if api_keys_file is not None else ())
@@ -116,6 +121,10 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
     if not is_loopback(host) and not keys and not insecure_no_auth:
         raise typer.BadParameter(f"--host {host} is reachable from other machines, and no API key is configured: "
                                  "give --api-key / --api-keys-file (or --insecure-no-auth to serve without keys)")
+    try:
+        public = read_public_prompts(public_system_prompts)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"--public-system-prompts: {e}") from e
     limits = ServeLimits(max_tokens_default=max_tokens, max_tokens_limit=max_tokens_limit, max_messages=max_messages,
                          max_prompt_tokens=max_prompt_tokens, request_timeout=request_timeout)
     try:
@@ -181,13 +190,26 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                           max_body_bytes=max_body_bytes, limits=limits,
                           data_dir=data_dir, aux=aux, tiers=tiers, host_tier_bytes=host_tier_bytes,
                           disk_tier_bytes=disk_tier_bytes, valkey_url=valkey_url, spill_tier=spill_tier,
-                          api_keys=keys or None, cors_origins=tuple(cors_origin or ()), allowed_hosts=hosts)
+                          api_keys=keys or None, public_prompts=public, cors_origins=tuple(cors_origin or ()),
+                          allowed_hosts=hosts)
     console.log(f"serving {name} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
                 f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'}"
                 f"{' + planner' if aux is not None and aux.plan else ''}; "
                 f"{f'{len(keys)} API key(s)' if keys else 'no API keys'})")
     uvicorn.run(create_app(engine, config), **uvicorn_options(host, port, log_level, limit_concurrency,
                                                               timeout_keep_alive, max_header_bytes))
+
+
+def read_public_prompts(path: Path | None) -> tuple[str, ...]:
+    """The declared-public system prompts: a JSON list of non-empty strings (none without a file)."""
+    import json
+
+    if path is None:
+        return ()
+    prompts = json.loads(Path(path).read_text())
+    if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError("expected a JSON list of non-empty strings")
+    return tuple(prompts)
 
 
 def uvicorn_options(host: str, port: int, log_level: str, limit_concurrency: int, timeout_keep_alive: int,

@@ -66,3 +66,34 @@ def test_without_keys_one_anonymous_owner_shares_the_cache(engine, tmp_path):
     first = ask(client, None, SECRET)
     again = ask(client, None, SECRET)
     assert first["reused_tokens"] == 0 and again["prefix_match"] == "exact" and again["reused_tokens"] > 0
+
+
+def test_declared_public_system_prompts_are_shared_and_nothing_else(engine, tmp_path):
+    """A system prompt the deployment declares public is prefilled once for every key; the rest of a conversation
+    stays its owner's. A conversation whose first message's tokens differ at all (another text; tools rendered into
+    the template's preamble) is not public."""
+    config = ServerConfig(data_dir=tmp_path, api_keys=KEYS, public_prompts=(SYSTEM["content"],))
+    app = create_app(engine, config)
+    client = TestClient(app)
+    ask(client, "k-alice-123", SECRET)
+    first = ask(client, "k-bob-456", chat("My salary is 50,000 EUR a year. Is that above the median?"))
+    system_tokens = first["reused_tokens"]
+    assert first["prefix_match"] == "exact" and system_tokens > 0  # alice's public system prompt, nothing more
+    hit = ask(client, "k-bob-456", SECRET)
+    never_seen = ask(client, "k-bob-456", chat("My salary is 71,000 EUR a year. Is that above the median?"))
+    assert hit["reused_tokens"] == never_seen["reused_tokens"] == system_tokens
+    assert hit["history_key"] == ask(client, "k-alice-123", SECRET)["history_key"]  # the same computation
+    private = [{"role": "system", "content": "You are the payroll assistant of ACME. Internal."}, SECRET[1]]
+    ask(client, "k-alice-123", private)
+    assert ask(client, "k-bob-456", private)["reused_tokens"] == 0
+
+
+def test_the_cli_reads_public_system_prompts(tmp_path):
+    from kvsteward.pipelines.cli_serve import read_public_prompts
+
+    (tmp_path / "ok.json").write_text(json.dumps(["You are helpful.", "Você é útil."]))
+    assert read_public_prompts(tmp_path / "ok.json") == ("You are helpful.", "Você é útil.")
+    assert read_public_prompts(None) == ()
+    (tmp_path / "bad.json").write_text(json.dumps({"prompt": "x"}))
+    with pytest.raises(ValueError, match="list of non-empty strings"):
+        read_public_prompts(tmp_path / "bad.json")

@@ -85,6 +85,7 @@ class ServerConfig:
     valkey_url: str | None = None  # a Valkey/Redis tier below disk (unbounded here: Valkey's maxmemory rules)
     spill_tier: str = "host"  # where tiered arms (pace-tiered) keep evicted planned spans: host | disk | valkey
     api_keys: dict[str, str] | None = None  # key -> owner name; None/empty: no authentication (loopback use)
+    public_prompts: tuple[str, ...] = ()  # system prompts whose prefix-cache state every owner may share
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS (none: CORS off, browsers refuse cross-origin)
     allowed_hosts: tuple[str, ...] | None = None  # Host header allowlist (None: any host)
 
@@ -155,7 +156,8 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     root = Path(config.data_dir) if config.data_dir is not None else data_dir()
     engine.spill = make_spill(config, root, metrics)
     lock = Scheduler(max_aux_wait=None if config.aux is None else config.aux.max_wait)
-    chat = ChatService(engine, config.defaults, config.cache_bytes, config.limits, metrics, lock, config.checkpoints)
+    chat = ChatService(engine, config.defaults, config.cache_bytes, config.limits, metrics, lock, config.checkpoints,
+                       config.public_prompts)
     store = SessionStore(root / "sessions", engine, config.defaults, lock, metrics, config.session_bytes,
                          config.limits, aux=config.aux)
     if config.tiers:

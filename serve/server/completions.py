@@ -212,9 +212,18 @@ def cache_root(owner: str | None, spec: SessionSpec) -> object:
     return spec if owner is None else (owner, spec)
 
 
+PUBLIC = ("public",)  # the owner of declared-public prefixes: a tuple, so no owner name (a string) can be it
+
+
+def public_first_messages(tokenizer, prompts: tuple[str, ...]) -> frozenset[tuple[int, ...]]:
+    """The first-message appends (tokens) of the declared-public system prompts, rendered as a conversation's first
+    message without tools: a request whose first op appends exactly these tokens starts with public text only."""
+    return frozenset(tuple(message_pieces(tokenizer, [{"role": "system", "content": p}], None)[0]) for p in prompts)
+
+
 class ChatService:
     def __init__(self, engine, defaults: SessionSpec, cache_bytes: int, limits: ServeLimits, metrics,
-                 lock: threading.Lock | None = None, checkpoints: bool = True):
+                 lock: threading.Lock | None = None, checkpoints: bool = True, public_prompts: tuple[str, ...] = ()):
         self.engine = engine
         self.defaults = defaults
         self.limits = limits
@@ -224,6 +233,7 @@ class ChatService:
         self.checkpoints = checkpoints
         self.stop_ids = stop_ids(engine)
         self.per_token = bytes_per_token(engine.tokenizer)  # once: the bound reads the whole vocabulary
+        self.public = public_first_messages(engine.tokenizer, public_prompts)
 
     def prepare(self, body: dict, t0: float | None = None, owner: str | None = None,
                 cancel: threading.Event | None = None) -> Prepared:
@@ -284,6 +294,9 @@ class ChatService:
         once it ran. The cache is partitioned by `owner` (`cache_root`)."""
         root = cache_root(owner, spec)
         match = self.cache.lookup(root, ops, self.lock)
+        public = owner is not None and bool(ops) and ops[0][0] == "append" and ops[0][2] in self.public
+        if public and match.depth == 0:  # the owner holds nothing: the declared-public first message may serve
+            match = self.cache.lookup(cache_root(PUBLIC, spec), ops[:1], self.lock, compatible=False)
         session, depth = match.session, match.depth
         if session is None:
             session = spec.new_session(self.engine)
@@ -292,6 +305,8 @@ class ChatService:
             run_op(session, ops[i], ranges, self.lock, cancel)
             if i + 1 in marks and i + 1 < len(ops):
                 self.cache.insert(root, ops[: i + 1], session)
+            if i == 0 and public:  # state(public first message): the same computation whoever asks
+                self.cache.insert(cache_root(PUBLIC, spec), ops[:1], session)
         if room is not None:
             check_context(self.engine, session, room)
         if depth < len(ops) or match.kind == "compatible":  # a restored state(ops) is not held yet either
