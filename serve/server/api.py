@@ -278,8 +278,11 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         cancel = threading.Event()
 
         async def watch() -> None:  # the body is read: the next message the server gives is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # a server that cannot tell (nothing to cancel on): the work runs to its end
+                return
             cancel.set()
 
         watcher = asyncio.ensure_future(watch())
