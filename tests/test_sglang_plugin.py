@@ -286,10 +286,11 @@ def test_eviction_frees_only_unlocked_leaves():
     r = s.run(held, finish=False)  # in flight: holds the path root -> A B C -> drop -> reposition
     s.run(Req(*fields([A, B, C, E])[:2]))  # a finished sibling branch, unlocked
     s.cache.evict(EvictParams(num_tokens=10_000))
-    # the in-flight request's prefix is intact: its op nodes and the ancestors their rows point into
+    # the in-flight request's prefix is intact: its reposition node now owns what its row and origins need (the
+    # survivors' version and the model-written originals A C); the dropped B went back to the allocator
     repos = r.node
-    assert isinstance(repos, OpNode) and repos.op == ("reposition",) and repos.parent.op[0] == "drop"
-    assert s.cache.protected_size() == len(A + B + C) + len(A + C)
+    assert isinstance(repos, OpNode) and repos.op == ("reposition",) and repos.parent is s.cache.root_node
+    assert s.cache.protected_size() == 2 * len(A + C) and s.cache.stats["freed"] == len(B)
     assert s.cache.evictable_size() == 0
     s.assert_row_is_truth(r.row[: len(A + C)], A + C)
     # after it finishes, everything can go, and every slot returns to the allocator exactly once

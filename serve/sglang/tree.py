@@ -27,8 +27,11 @@ Limits: page_size 1, no EAGLE bigram keys, no hierarchical cache, MHA pools in N
 from __future__ import annotations
 
 import heapq
+import json
 import logging
+import os
 import time
+import weakref
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from kvsteward.serve.sglang.positions import OFFSET_ATTR
 
 logger = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
+FREE_MODES = ("lazy", "eager", "off")
 
 
 class OpNode(TreeNode):
@@ -90,7 +94,8 @@ class _Walk:
 
 
 class OpRadixCache(RadixCache):
-    def __init__(self, params: CacheInitParams, rope: RopeSpec | ModelRope | None = None, plain_drop: bool = True):
+    def __init__(self, params: CacheInitParams, rope: RopeSpec | ModelRope | None = None, plain_drop: bool = True,
+                 free: str = "lazy"):
         if params.page_size != 1:
             raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
         if params.is_eagle:
@@ -101,8 +106,21 @@ class OpRadixCache(RadixCache):
         self.pool = self.token_to_kv_pool_allocator.get_kvcache() if self.token_to_kv_pool_allocator else None
         if self.pool is not None and rope is not None:
             check_pool(self.pool)
+        if free not in FREE_MODES:
+            raise ValueError(f"free must be one of {FREE_MODES}, got {free!r}")
+        self.free = free  # when dead KV (dropped tokens, superseded versions) is freed: see `free_dead`
         self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
-                      "unknown_base": 0}
+                      "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0}
+        self._op_set: set[OpNode] = set()  # every op node in the tree
+        # compacted op nodes (re-parented under a chain key): reachable only through this index, so it has no cap
+        self._compacted: dict[tuple, OpNode] = {}
+        # anchor keys of op nodes removed by compaction (bounded): a later request for such a state is counted
+        self._tombstones: OrderedDict[tuple, None] = OrderedDict()
+        self._dead: tuple[list, int] | None = None  # (compaction candidates, dead slots under a lock), None = stale
+        # retracted, unfinished requests: id(req) -> (weakref to req, pinned anchor); at most `max_pins`
+        self._pins: OrderedDict[int, tuple[Any, TreeNode]] = OrderedDict()
+        self.max_pins = 64
+        self._logged_stats: dict = {}
         self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is released
         self.histories = HistoryStore()  # parsed histories by chained key: a turn sends only what is new
         # op nodes by (namespace, cache salt, chained key of the elements up to the op): a walk starts at the
@@ -131,6 +149,7 @@ class OpRadixCache(RadixCache):
         if params.req is not None:  # a re-match (e.g. after retraction) replaces the request's earlier walk
             self._walks.pop(id(params.req), None)
             setattr(params.req, OFFSET_ATTR, 0)
+        self._sweep_pins()
         hist = self._history(params)
         if self.disable or hist is None:
             return super().match_prefix(params)
@@ -163,6 +182,11 @@ class OpRadixCache(RadixCache):
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
             self.stats["reprefill"] += 1
+            if any((hist.namespace, params.key.cache_salt, chain) in self._tombstones for chain, _, _ in hist.op_chain):
+                self.stats["compacted_miss"] += 1  # a state whose dead KV was freed: it cannot be served exactly
+                logger.warning("kvsteward: a request continues an op state that was compacted (its dropped KV "
+                               "freed): served as plain tokens (re-prefilled, not the engine's state)")
+            self._log_stats()
             return super().match_prefix(params)
         if walk.position_offset != hist.position_offset:  # the tree's bookkeeping disagrees with the history's
             self.stats["refused"] += 1
@@ -174,6 +198,7 @@ class OpRadixCache(RadixCache):
             setattr(params.req, OFFSET_ATTR, walk.position_offset)
             self.stats["offset_requests"] += bool(walk.position_offset)
         row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
+        self._log_stats()
         return MatchResult(device_indices=row, last_device_node=walk.node, last_host_node=walk.node,
                            best_match_node=walk.node)
 
@@ -187,9 +212,11 @@ class OpRadixCache(RadixCache):
         n_logical, first = 0, 0
         op_keys = {idx - 1: chain for chain, idx, _ in hist.op_chain}  # element index of an op -> its chained key
         for chain, idx, logical in reversed(hist.op_chain):  # the deepest op node the tree still holds
-            node = self._anchors.get((hist.namespace, key.cache_salt, chain))
+            akey = (hist.namespace, key.cache_salt, chain)
+            node = self._anchors.get(akey) or self._compacted.get(akey)
             if node is not None and self._attached(node):
-                self._anchors.move_to_end((hist.namespace, key.cache_salt, chain))
+                if akey in self._anchors:
+                    self._anchors.move_to_end(akey)
                 walk.anchor = walk.node = node
                 walk.row = [node.kv_row]
                 n_logical, first = logical, idx
@@ -286,6 +313,8 @@ class OpRadixCache(RadixCache):
         parent.children[node.op_key] = node
         self.evictable_size_ += len(node.key)
         self.stats["op_nodes"] += 1
+        self._op_set.add(node)
+        self._dead = None
         self._update_leaf_status(parent)
         self._update_leaf_status(node)
 
@@ -303,11 +332,15 @@ class OpRadixCache(RadixCache):
             self._anchors.popitem(last=False)
 
     def _delete_leaf(self, node):
+        self._dead = None
         if not isinstance(node, OpNode):
             return super()._delete_leaf(node)
         for key in getattr(node, "anchor_keys", ()):
             if self._anchors.get(key) is node:
                 del self._anchors[key]
+            if self._compacted.get(key) is node:
+                del self._compacted[key]
+        self._op_set.discard(node)
         removed = node.parent.children.pop(node.op_key, None)
         assert removed is node, f"parent does not hold op node {node.op_key}"
         self.evictable_size_ -= len(node.key)
@@ -316,15 +349,31 @@ class OpRadixCache(RadixCache):
         self._update_leaf_status(node.parent)
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """`RadixCache.evict`, except that op nodes emit no KV events (their keys are not token pages)."""
+        """`RadixCache.evict`, except that dead KV goes first (`free_dead`: dropped tokens and superseded versions no
+        request or cached branch reads, locked or not), and op nodes emit no KV events (their keys are not token
+        pages). Then unlocked leaves, least recently used first, as sglang does."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
+        num_evicted = 0
+        while True:  # an evicted sibling branch can leave a chain dead: then its dead KV goes before more leaves
+            dead = self.free_dead(params.num_tokens - num_evicted)
+            num_evicted += dead
+            leaves, nodes = self._evict_leaves(params.num_tokens - num_evicted)
+            num_evicted += leaves
+            if num_evicted >= params.num_tokens or not (nodes and self.free != "off"):
+                break
+        self.update_eviction_metrics(num_evicted, start_time)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    def _evict_leaves(self, num_tokens: int) -> tuple[int, int]:
+        """Unlocked leaves, least recently used first, until `num_tokens` slots are freed: (slots, nodes) evicted."""
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < params.num_tokens and heap:
+        num_evicted = nodes = 0
+        while num_evicted < num_tokens and heap:
             _, x = heapq.heappop(heap)
+            nodes += 1
             self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             self._delete_leaf(x)
@@ -332,8 +381,7 @@ class OpRadixCache(RadixCache):
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
             if not isinstance(x, OpNode):
                 self.kv_events.record_remove(x)
-        self.update_eviction_metrics(num_evicted, start_time)
-        return EvictResult(num_tokens_evicted=num_evicted)
+        return num_evicted, nodes
 
     # -- caching a request's KV ---------------------------------------------------------------------------------------
     def _insert_tail(self, req: Any, walk: _Walk, token_ids: Any, kv_indices: torch.Tensor,
@@ -365,8 +413,183 @@ class OpRadixCache(RadixCache):
         req.kv.cache_protected_len = len(token_ids)
 
     def on_release(self, req: Any, *, inserted: bool) -> None:
-        self._walks.pop(id(req), None)
+        walk = self._walks.pop(id(req), None)
+        self._unpin(id(req))
+        if not inserted and walk is not None and not walk.fork and isinstance(walk.anchor, OpNode) \
+                and not _finished(req) and self._attached(walk.anchor):
+            self._pin(req, walk.anchor)
         super().on_release(req, inserted=inserted)
+        if self.free == "eager":
+            self.free_dead()
+
+    # -- retraction: the anchor of a released, unfinished request stays ---------------------------------------------
+    def _pin(self, req: Any, node: TreeNode) -> None:
+        """sglang retracts a running request by releasing its row and lock without inserting anything
+        (`release_kv_cache(is_insert=False)`) and re-matches it later. Its anchor (the op state its history reached)
+        is pinned until then, so re-admission continues that state exactly instead of re-prefilling the survivors.
+        Bounded: beyond `max_pins`, the oldest pin goes first."""
+        try:
+            ref = weakref.ref(req)
+        except TypeError:
+            return
+        self.inc_lock_ref(node)
+        self._pins[id(req)] = (ref, node)
+        self.stats["pinned"] += 1
+        while len(self._pins) > self.max_pins:
+            self._unpin(next(iter(self._pins)))
+
+    def _unpin(self, key: int) -> None:
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            self.dec_lock_ref(pin[1])
+
+    def _sweep_pins(self) -> None:
+        """Pins of requests that no longer exist (aborted while waiting) are released."""
+        for key in [k for k, (ref, _) in self._pins.items() if ref() is None]:
+            self._unpin(key)
+
+    # -- freeing dead KV: lazy path compaction with ownership transfer ------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode):
+        self._dead = None
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode, params: Any = None):
+        self._dead = None
+        return super().dec_lock_ref(node, params)
+
+    def _insert_helper(self, node, key, value, priority: int = 0, chunked: bool = False):
+        self._dead = None
+        return super()._insert_helper(node, key, value, priority, chunked)
+
+    def _split_node(self, key, child, split_len: int):
+        self._dead = None
+        return super()._split_node(key, child, split_len)
+
+    def _pass_through(self, x: TreeNode, child: TreeNode) -> bool:
+        """No request ends at `x`, no other branch continues it: its only child carries every lock it has."""
+        return x is not self.root_node and x.parent is not None and not x.evicted and len(x.children) == 1 \
+            and x.lock_ref == child.lock_ref
+
+    def _run_above(self, node: OpNode) -> list[TreeNode]:
+        """The maximal chain of pass-through nodes directly above `node`, bottom up."""
+        run, child, x = [], node, node.parent
+        while x is not None and self._pass_through(x, child):
+            run.append(x)
+            child, x = x, x.parent
+        return run
+
+    def _candidates(self) -> tuple[list, int]:
+        """Compaction candidates [(op node, its run, run-owned slots, keep mask)] — only the deepest op node of each
+        dead chain (a run may hold earlier op nodes, whose own runs it contains) — and the dead slots under a lock
+        (advertised as evictable). Recomputed after any change of the tree or its locks."""
+        if self._dead is not None:
+            return self._dead
+        runs, inner = {}, set()
+        for n in self._op_set:
+            if not getattr(n, "anchor_keys", ()):  # unreachable once re-parented: never compacted
+                continue
+            run = self._run_above(n)
+            if run:
+                runs[n] = run
+                inner.update(x for x in run if isinstance(x, OpNode))
+        cands, locked_dead = [], 0
+        for n, run in runs.items():
+            if n in inner:
+                continue
+            owned = torch.cat([x.value.to(torch.int64) for x in run])
+            need = torch.cat([n.kv_row, n.origin]).to(owned.device)
+            keep = torch.isin(owned, need)
+            dead = int(owned.numel() - int(keep.sum()))
+            if dead:
+                cands.append((n, run, owned, keep))
+                locked_dead += dead if n.lock_ref > 0 else 0
+        self._dead = (cands, locked_dead)
+        return self._dead
+
+    def dead_size(self) -> int:
+        """Slots held by the tree that no request, cached branch or later op needs (all of them, locked or not)."""
+        return sum(int(owned.numel() - int(keep.sum())) for _, _, owned, keep in self._candidates()[0])
+
+    def evictable_size(self):
+        """sglang's evictable count plus the dead slots under a lock: `evict` frees them first, so admission
+        (`available + evictable`) and the `/v1/loads` used count see them as free-on-demand. The sum with
+        `protected_size` is unchanged (sglang's accounting equation)."""
+        return self.evictable_size_ + (self._candidates()[1] if self.free != "off" else 0)
+
+    def protected_size(self):
+        return self.protected_size_ - (self._candidates()[1] if self.free != "off" else 0)
+
+    def free_dead(self, num_tokens: int | None = None) -> int:
+        """Compact dead chains, least recently used first, until `num_tokens` slots are freed (all, if None): returns
+        the number freed. `eager` mode calls it after every release; `lazy` (the default) from `evict`, i.e. when
+        sglang needs room."""
+        if self.free == "off" or (num_tokens is not None and num_tokens <= 0):
+            return 0
+        cands = sorted(self._candidates()[0], key=lambda c: self.eviction_strategy.get_priority(c[0]))
+        freed = 0
+        for cand in cands:
+            if num_tokens is not None and freed >= num_tokens:
+                break
+            freed += self._compact(*cand)
+        return freed
+
+    def _compact(self, node: OpNode, run: list[TreeNode], owned: torch.Tensor, keep: torch.Tensor) -> int:
+        """Path compaction: the slots of `run` that `node` needs (its row and the origins its versions rotate from,
+        which also cover every descendant's) move into `node.value`; the rest are freed, once; the run's nodes leave
+        the tree and `node` is re-parented under the run's parent, keyed by its chained history key. Nothing any
+        request holds changes (row slot ids stay; locks along the run equal the node's, so no request ends in it)."""
+        top = run[-1]
+        parent = top.parent
+        freed, moved = owned[~keep], owned[keep]
+        for x in run:
+            self.evictable_leaves.discard(x)
+            if isinstance(x, OpNode):
+                for key in getattr(x, "anchor_keys", ()):
+                    if self._anchors.get(key) is x:
+                        del self._anchors[key]
+                    if self._compacted.get(key) is x:
+                        del self._compacted[key]
+                    self._tombstone(key)
+                self._op_set.discard(x)
+                self.stats["op_nodes"] -= 1
+            else:
+                self.kv_events.record_remove(x)
+        for k, c in list(parent.children.items()):
+            if c is top:
+                del parent.children[k]
+                break
+        if node.lock_ref > 0:
+            self.protected_size_ -= freed.numel()
+        else:
+            self.evictable_size_ -= freed.numel()
+        self.token_to_kv_pool_allocator.free(freed.to(self.device))
+        node.value = torch.cat([node.value.to(torch.int64), moved.to(node.value.device)])
+        node.key = RadixKey(array("q", [-1] * node.value.numel()), extra_key="kvsteward-op")
+        for key in node.anchor_keys:
+            self._compacted[key] = node
+        node.op_key = ("kvsteward-chain", *node.anchor_keys[-1])
+        node.parent = parent
+        parent.children[node.op_key] = node
+        for x in run:
+            x.parent, x.children = None, {}
+        self._update_leaf_status(parent)
+        self._update_leaf_status(node)
+        self._dead = None
+        self.stats["compactions"] += 1
+        self.stats["freed"] += int(freed.numel())
+        return int(freed.numel())
+
+    def _tombstone(self, key: tuple) -> None:
+        self._tombstones[key] = None
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > self.max_anchors:
+            self._tombstones.popitem(last=False)
+
+    def _log_stats(self) -> None:
+        """One `kvsteward tree stats` line whenever the counters change (the benchmark reads the last one)."""
+        if self.stats != self._logged_stats:
+            self._logged_stats = dict(self.stats)
+            logger.info("kvsteward tree stats: %s", json.dumps(self.stats, sort_keys=True))
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False):
         walk = self._walks.get(id(req))
@@ -404,7 +627,14 @@ def create_tree_cache(ctx: Any) -> OpRadixCache:
     if ctx.enable_hierarchical_cache or ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.is_dsa:
         raise ValueError("--radix-cache-backend kvsteward supports plain MHA models without hierarchical cache "
                          "(no SWA / Mamba / DSA hybrids, no --enable-hierarchical-cache)")
-    return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config), plain_drop=plain_drop_supported(ctx))
+    free = os.environ.get("KVSTEWARD_FREE", "lazy")
+    return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config), plain_drop=plain_drop_supported(ctx),
+                        free=free)
+
+
+def _finished(req: Any) -> bool:
+    finished = getattr(req, "finished", None)
+    return bool(finished()) if callable(finished) else False
 
 
 def plain_drop_supported(ctx: Any) -> bool:
