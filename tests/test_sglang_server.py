@@ -18,7 +18,7 @@ import pytest
 import requests
 import torch
 
-from kvsteward.serve.bench.sglang import AgentSession
+from kvsteward.serve.bench.sglang import AgentSession, LoadPoller, retractions, tree_stats
 from kvsteward.serve.server.testing import free_port
 from kvsteward.serve.sglang.launch import SglangServer, server_command
 from kvsteward.serve.sglang.ops import SglangHistory, request_fields
@@ -56,7 +56,11 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
     cmd = server_command(str(folder), port, max_total_tokens=POOL, context_length=4096, skip_tokenizer=True,
                          extra=("--chunked-prefill-size", str(CHUNK), "--schedule-conservativeness", "0.05"))
-    server = SglangServer(cmd, port, env={"SGLANG_USE_PICKLE_IPC": "0"}, log=log)
+    # sglang's own strict checks, on every scheduler step: the accounting equation (available + evictable +
+    # protected + uncached = total) and the KV page invariants (no in-flight slot free, no page freed twice)
+    env = {"SGLANG_USE_PICKLE_IPC": "0", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+           "SGLANG_CHECK_KV_PAGE_INVARIANTS": "1"}
+    server = SglangServer(cmd, port, env=env, log=log)
     server.start()
     engine = Engine(LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     try:
@@ -113,12 +117,13 @@ def test_plain_drop_and_reposition_equal_the_engine(served):
     assert out["meta_info"]["cached_tokens"] == len(A + C + D) - 1
 
 
-def agent(seed: int, keep: int = 2) -> AgentSession:
+def agent(seed: int, keep: int = 2, reposition_every: int = 2) -> AgentSession:
     """An agent-like conversation (`serve.bench.sglang.AgentSession`): per turn a tool response and the prompt for
     the reply; after each reply the tool responses older than the last `keep` are dropped (AKV's rolling rule), and
-    every second drop also repositions."""
+    every `reposition_every`-th drop also repositions (0: never)."""
     sizes = {"system": 16, "task": 10, "tool": 24, "prompt": 3}
-    return AgentSession(lambda kind, k: msg(seed * 1000 + list(sizes).index(kind) * 100 + k, sizes[kind]), keep=keep)
+    return AgentSession(lambda kind, k: msg(seed * 1000 + list(sizes).index(kind) * 100 + k, sizes[kind]), keep=keep,
+                        reposition_every=reposition_every)
 
 
 def play(server, engine, session: AgentSession, client: SglangHistory, turns: int, n: int = 6) -> list[dict]:
@@ -156,6 +161,81 @@ def test_repeated_turns_send_only_what_is_new_and_reuse_op_prefixes(served):
     assert any(o["cache"]["drop"] for o in outs) and any(o["cache"]["reposition"] for o in outs)
     sizes = [len(o["body"]["sampling_params"]["custom_params"]["kvsteward"]) for o in outs]
     assert max(sizes[2:]) < 1.5 * min(sizes[2:])  # what a turn sends does not grow with the conversation
+
+
+MARGIN = 8  # the seal's generated token and the reply's closing: computed, not yet in the next row
+
+
+@pytest.mark.parametrize("reposition_every", [0, 2])
+def test_ten_turns_use_no_more_than_the_physical_row(served, reposition_every):
+    """Ten agent turns (rolling drops; with repositions, every second drop repositions) with `/v1/loads` polled:
+    the tokens in use never exceed the last turn's physical row (+ its decode) + MARGIN with plain drops, and the row
+    + the repositioned survivors' model-written keys (kept: versions rotate from them) with repositions. Before issue
+    43 the dropped tokens and every older version stayed locked (the full history and more). The tree re-prefilled
+    nothing and sglang's strict checks held on every step."""
+    server, engine, log = served
+    before = tree_stats(log.read_text(errors="replace"))
+    n = 6
+    with LoadPoller(server.url, interval=0.02) as loads:
+        outs = play(server, engine, agent(21 + reposition_every, reposition_every=reposition_every), SglangHistory(),
+                    turns=10, n=n)
+    row = len(outs[-1]["body"]["input_ids"]) + n
+    history = sum(len(m) for m in outs[-1]["messages"]) + n
+    messages, cache = outs[-1]["messages"], outs[-1]["cache"]
+    survivors = 0
+    if cache["reposition"]:  # the resident tokens at the last reposition: their original keys stay
+        b = max(cache["reposition"])
+        dropped = {j for k, v in cache["drop"].items() if int(k) <= b for j in v}
+        survivors = sum(len(messages[i]) for i in range(b + 1) if i not in dropped)
+    bound = row + survivors + MARGIN
+    assert loads.samples > 0 and 0 < loads.peak_used <= bound, (loads.peak_used, row, survivors, history)
+    assert history > row + 100  # what today's tree would lock, at least
+    after = tree_stats(log.read_text(errors="replace"))
+    assert after["reprefill"] == before.get("reprefill", 0) and after["refused"] == before.get("refused", 0)
+    assert "Mem Leak" not in log.read_text(errors="replace")
+
+
+def test_six_concurrent_sessions_fit_the_small_pool(served):
+    """Six agent sessions (plain drops), ten turns each, at once in the 1,200-slot pool: their full histories (~2,100
+    tokens) do not fit, their physical rows (~1,000) do. The dead KV of every drop is free on demand, so sglang retracts
+    nothing, the tree re-prefills nothing, and every turn's tokens equal the engine's."""
+    server, engine, log = served
+    text = log.read_text(errors="replace")
+    retracted, stats = retractions(text), tree_stats(text)
+    played: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def worker(k):
+        try:
+            session, client, outs = agent(40 + k, reposition_every=0), SglangHistory(), []
+            for _ in range(10):
+                if session.drops_next():
+                    generate(server.url, client.fields(*session.seal()), n=1)
+                messages, cache = session.request()
+                out = generate(server.url, client.fields(messages, cache), n=6, timeout=900)
+                session.reply(out["output_ids"])
+                outs.append((messages, cache, out))
+            played[k] = outs
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with LoadPoller(server.url, interval=0.05) as loads:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=1200)
+    assert not errors, errors
+    text = log.read_text(errors="replace")
+    histories = sum(sum(len(m) for m in outs[-1][0]) for outs in played.values())
+    assert histories > POOL  # the full histories do not fit
+    assert retractions(text) == retracted, "sglang retracted requests"
+    after = tree_stats(text)
+    assert after["reprefill"] == stats.get("reprefill", 0), after
+    assert loads.peak_used <= POOL
+    for k, outs in played.items():
+        for t, (messages, cache, out) in enumerate(outs):
+            assert out["output_ids"] == engine_tokens(engine, messages, cache, 6), (k, t)
 
 
 def test_a_batch_of_concurrent_mixed_requests(served):

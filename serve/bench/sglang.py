@@ -145,6 +145,94 @@ class Pass:
                 "seal_requests": self.seals}
 
 
+class LoadPoller:
+    """Polls sglang's `/v1/loads` every `interval` s in a thread while in use (`with LoadPoller(url) as p:`): peak and
+    mean `num_used_tokens` (total - available - evictable: what admission sees as taken), running and waiting
+    requests. With `metrics=True` also `/metrics` (the server needs `--enable-metrics`): peak allocated slots =
+    `sglang:num_used_tokens` + `sglang:kv_evictable_tokens`."""
+
+    def __init__(self, url: str, interval: float = 0.1, metrics: bool = False):
+        self.url, self.interval, self.metrics = url, interval, metrics
+        self.samples = 0
+        self.peak_used = self.peak_running = self.peak_waiting = self.peak_allocated = 0
+        self._used_sum = self._running_sum = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LoadPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        import requests
+
+        while not self._stop.is_set():
+            try:
+                loads = requests.get(f"{self.url}/v1/loads", params={"include": "core"}, timeout=5).json()["loads"]
+                used = sum(int(_find(x, "num_used_tokens") or 0) for x in loads)
+                running = sum(int(_find(x, "num_running_reqs") or 0) for x in loads)
+                waiting = sum(int(_find(x, "num_waiting_reqs") or 0) for x in loads)
+                self.samples += 1
+                self.peak_used = max(self.peak_used, used)
+                self.peak_running = max(self.peak_running, running)
+                self.peak_waiting = max(self.peak_waiting, waiting)
+                self._used_sum += used
+                self._running_sum += running
+                if self.metrics:
+                    text = requests.get(f"{self.url}/metrics", timeout=5).text
+                    m = prometheus_values(text)
+                    self.peak_allocated = max(self.peak_allocated, int(m.get("sglang:num_used_tokens", 0)
+                                                                       + m.get("sglang:kv_evictable_tokens", 0)))
+            except Exception:  # noqa: BLE001 (a missed sample is not an error of the run)
+                pass
+            self._stop.wait(self.interval)
+
+    @property
+    def mean_used(self) -> float:
+        return self._used_sum / self.samples if self.samples else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self._running_sum / self.samples if self.samples else 0.0
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """Sum of each metric's samples over its labels (gauges and counters of one server)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def tree_stats(log_text: str) -> dict:
+    """The kvsteward tree's counters: the last `kvsteward tree stats:` line of a server log ({} if none)."""
+    import json
+
+    marker = "kvsteward tree stats: "
+    i = log_text.rfind(marker)
+    if i < 0:
+        return {}
+    return json.loads(log_text[i + len(marker):].split("\n", 1)[0])
+
+
+def retractions(log_text: str) -> int:
+    """Requests sglang retracted (summed `#retracted_reqs: N` of its decode out-of-memory lines)."""
+    import re
+
+    return sum(int(m) for m in re.findall(r"#retracted_reqs: (\d+)", log_text))
+
+
 def _poll_kv(url: str, stop: threading.Event, out: Pass) -> None:
     import requests
 

@@ -182,8 +182,9 @@ class OpRadixCache(RadixCache):
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
             self.stats["reprefill"] += 1
-            if any((hist.namespace, params.key.cache_salt, chain) in self._tombstones for chain, _, _ in hist.op_chain):
-                self.stats["compacted_miss"] += 1  # a state whose dead KV was freed: it cannot be served exactly
+            if hist.op_chain and (hist.namespace, params.key.cache_salt, hist.op_chain[-1][0]) in self._tombstones:
+                # its last op's state was compacted into a later op's (its dead KV freed): not servable exactly
+                self.stats["compacted_miss"] += 1
                 logger.warning("kvsteward: a request continues an op state that was compacted (its dropped KV "
                                "freed): served as plain tokens (re-prefilled, not the engine's state)")
             self._log_stats()
@@ -324,6 +325,7 @@ class OpRadixCache(RadixCache):
         return node.parent is not None and node.parent.children.get(node.op_key) is node
 
     def _remember(self, key: tuple, node: OpNode) -> None:
+        self._tombstones.pop(key, None)
         if self._anchors.get(key) is not node:
             self._anchors[key] = node
             node.anchor_keys = getattr(node, "anchor_keys", ()) + (key,)
