@@ -107,9 +107,9 @@ def demo(model: str = typer.Option("smollm2", help=MODEL_HELP),
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from kvsteward.eval.longsession import RunConfig, play
+    from kvsteward.eval.longsession.runner import RunConfig, play
     from kvsteward.eval.scoring import mean
-    from kvsteward.synth.longsession import generate_session
+    from kvsteward.synth.longsession.generate import generate_session
 
     eng = _engine(model)
     sess = generate_session(eng.tokenizer, seed, length, distance)

@@ -93,12 +93,12 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
 
     Each finished (session, arm) pair is appended to OUT/journal.jsonl; running the same command again resumes
     (finished pairs are not played again)."""
-    from kvsteward.eval.longsession import JOURNAL, RunConfig, run, shard, shard_journal
-    from kvsteward.eval.report import log_to_mlflow, write_report
+    from kvsteward.eval.longsession.report import log_to_mlflow, write_report
+    from kvsteward.eval.longsession.runner import JOURNAL, RunConfig, run, shard, shard_journal
     from kvsteward.serve.engine import Engine
     from kvsteward.serve.engine.policies import ARMS
-    from kvsteward.synth.longsession import generate_sessions
-    from kvsteward.synth.longsession_schema import read_jsonl, write_jsonl
+    from kvsteward.synth.longsession.generate import generate_sessions
+    from kvsteward.synth.longsession.schema import read_jsonl, write_jsonl
 
     arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
     unknown = [a for a in arm_list if a not in ARMS]
@@ -111,7 +111,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
         raise typer.BadParameter(str(e)) from e
     if sessions_file is not None and not sessions_file.is_file():  # before the model loads
         raise typer.BadParameter(f"sessions file {sessions_file} does not exist")
-    from kvsteward.synth.longsession import DOMAINS
+    from kvsteward.synth.longsession.generate import DOMAINS
 
     if domain not in DOMAINS:
         raise typer.BadParameter(f"unknown domain {domain!r}; known: {sorted(DOMAINS)}")
@@ -170,13 +170,13 @@ def _session_plans(sessions: list, planner: str, model: str, endpoint: str | Non
                    engine) -> tuple[dict[str, list[dict]] | None, dict]:
     """The planner's blueprint per session id (None for the oracle: each session's own) and what the report says
     of it: name, edge recall / precision against the oracle (overall and fact probes), planned tokens."""
-    from kvsteward.synth import longsession_planner as lp
+    from kvsteward.synth.longsession import planner as lp
 
     if planner == "oracle":
         return None, {"name": "oracle", "oracle": True}
     llm, name = None, planner
     if planner == "llm":
-        from kvsteward.synth import planner as pl
+        from kvsteward.synth.traces import planner as pl
 
         if endpoint:
             complete, name = pl.endpoint_completer(endpoint, model, 24), f"llm:{model}@endpoint"
@@ -208,7 +208,7 @@ def _min_confidence(value: float | None, flag: str) -> float | None:
 
 
 def _check_aux_context(aux_context: str | None) -> None:
-    from kvsteward.synth.hindsight import check_aux_context
+    from kvsteward.synth.traces.hindsight import check_aux_context
 
     if aux_context is not None:
         try:
@@ -236,8 +236,8 @@ def _interleave(traces: list) -> list:
 def _traces(data: Path, traces: Path | None, split: str, limit: int, envs: str = "") -> list:
     """At most `limit` traces of `split` (`all`: every split) and of the environments `envs` (comma-separated; empty:
     all): from `traces`, or the folder the dataset card at `data` names."""
-    from kvsteward.synth.dataset import CARD_JSON
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces.dataset import CARD_JSON
+    from kvsteward.synth.traces.trace import read_traces
 
     card = data / CARD_JSON
     src = traces or (Path(json.loads(card.read_text())["source_traces"]) if card.exists() else None)
@@ -262,7 +262,7 @@ def _parallel(model: str, adapter: Path | None, engine, workers: int, journal: P
     """`play`'s process and journal arguments: each worker loads what this process loaded."""
     from functools import partial
 
-    from kvsteward.eval.manager import load_engine
+    from kvsteward.eval.manager.evaluate import load_engine
 
     adapter_dir = str(adapter) if adapter else None
     return {"workers": workers, "journal": journal,
@@ -274,10 +274,10 @@ def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str,
     """The fitted cheap baselines as arms: from `baselines` (or DATA/baselines, written by `steward synth audit` on
     the whole train split), else — and whenever `fit_envs` names only some environments — fitted now on the train
     split's decisions of those environments (the adapter's, so a held-out environment stays unseen by every arm)."""
-    from kvsteward.eval.arms import RuleArm
-    from kvsteward.synth.audit import AuditError, load_dataset
-    from kvsteward.synth.baselines import fit_all, load_baselines
-    from kvsteward.synth.decisions import DecisionError, decisions_from_split
+    from kvsteward.eval.manager.arms import RuleArm
+    from kvsteward.synth.traces.audit import AuditError, load_dataset
+    from kvsteward.synth.traces.baselines import fit_all, load_baselines
+    from kvsteward.synth.traces.decisions import DecisionError, decisions_from_split
 
     if not names:
         return {}
@@ -303,8 +303,8 @@ def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str,
 
 def _attention_arm(engine, data: Path, traces: Path | None, every: int, fit_traces: int, threshold: float | None,
                    point: str, envs: str):
-    """The attention-mass arm, its threshold given or chosen on validation replays (`eval.arms`)."""
-    from kvsteward.eval.arms import AttentionArm, fit_attention_threshold
+    """The attention-mass arm, its threshold given or chosen on validation replays (`eval.manager.arms`)."""
+    from kvsteward.eval.manager.arms import AttentionArm, fit_attention_threshold
 
     if threshold is not None:
         return AttentionArm(threshold), {"threshold": threshold, "given": True}
@@ -386,8 +386,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     a bag-of-words classifier, lexical overlap, attention mass), every arm on the same replays and decisions:
     deletion P/R/F1, harmful deletions (95 % CI), peak tokens / KV reads / answer accuracy vs uncompressed, per arm
     and per cue."""
-    from kvsteward.eval.arms import ARM_NAMES, RULES
-    from kvsteward.eval.manager import JournalError, evaluate, load_engine
+    from kvsteward.eval.manager.arms import ARM_NAMES, RULES
+    from kvsteward.eval.manager.evaluate import JournalError, evaluate, load_engine
 
     if close_bias is not None and not math.isfinite(close_bias):  # before the model loads
         raise typer.BadParameter(f"--close-bias must be a finite number of nats, got {close_bias}")
@@ -500,8 +500,8 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     bias and threshold (all against one uncompressed replay per trace); the highest F1 with harmful rate <=
     --max-harm and F1 >= --min-f1 (else the lowest harmful rate, reported as not met); recorded in the adapter for
     `steward serve` and `steward eval manager`."""
-    from kvsteward.eval.calibrate import check_biases, check_confidences, choose, record, sweep
-    from kvsteward.eval.manager import JournalError
+    from kvsteward.eval.manager.calibrate import check_biases, check_confidences, choose, record, sweep
+    from kvsteward.eval.manager.evaluate import JournalError
     from kvsteward.models import ModelNotFound, check_adapter
     from kvsteward.serve.engine import Engine
 

@@ -52,7 +52,7 @@ def traces(
     as_json: bool = typer.Option(False, "--json", help="print a JSON summary"),
 ) -> None:
     """Generate correct traces with exact provenance: agent environments (one or several) or long sessions."""
-    from kvsteward.synth.trace import write_traces
+    from kvsteward.synth.traces.trace import write_traces
 
     t0 = time.perf_counter()
     if env == "longsession":
@@ -87,10 +87,10 @@ def _env_options(pairs: list[str]) -> dict[str, object]:
 
 
 def _env_traces(env: str, tasks: int, seed: int, shared: dict, pairs: list[str]):
-    """(traces, meta) of one or several agent environments (`synth.envs`), `tasks` each."""
+    """(traces, meta) of one or several agent environments (`synth.traces.envs`), `tasks` each."""
     from dataclasses import fields
 
-    from kvsteward.synth import envs as envm
+    from kvsteward.synth.traces import envs as envm
 
     try:
         names = envm.env_names(env)
@@ -118,7 +118,7 @@ def _env_traces(env: str, tasks: int, seed: int, shared: dict, pairs: list[str])
 def _longsession_traces(tasks: int, seed: int, length: int, distances: str, chunk_tokens: int, model: str):
     """(traces, meta) of `--source longsession`: benchmark sessions re-expressed as traces."""
     from kvsteward.models import load_tokenizer
-    from kvsteward.synth import longsession_traces as lst
+    from kvsteward.synth.longsession import traces as lst
 
     try:
         ds = lst.resolve_distances(length, [int(x) for x in distances.split(",") if x.strip()])
@@ -157,8 +157,8 @@ def hindsight(
     a card."""
     from kvsteward.models import load_tokenizer
     from kvsteward.runs import parent_run_id, stage_run
-    from kvsteward.synth import dataset as dsm
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces import dataset as dsm
+    from kvsteward.synth.traces.trace import read_traces
 
     cfg = dsm.HindsightConfig(every=every, mask_prob=mask_prob, max_tokens=max_tokens, plan=plan, seed=seed,
                               model=model, pack=pack, trigger=trigger)
@@ -191,7 +191,7 @@ def hindsight(
 
 def _audit_after_hindsight(dd, out: Path) -> dict | None:
     """The card with the audit recorded (`steward synth hindsight --audit`), or None when a split has no decision."""
-    from kvsteward.synth import audit as am
+    from kvsteward.synth.traces import audit as am
 
     train, val = am.split_decisions(dd)
     if not train or not val:
@@ -205,7 +205,7 @@ def _print_audit(result: dict, brief: bool = False) -> None:
     """The audit as rich tables on stdout (`brief`: the overall table and the flags only)."""
     from rich.table import Table
 
-    from kvsteward.synth import audit as am
+    from kvsteward.synth.traces import audit as am
 
     out = Console(width=None if sys.stdout.isatty() else 150)  # a pipe gets 80 columns: too narrow for the table
     table = Table(title=f"shortcut audit: {result['n_decisions']} validation decisions "
@@ -240,7 +240,7 @@ def audit(
 ) -> None:
     """Shortcut audit: fit cheap non-model baselines on train, score them on validation, flag any that recovers the
     labels (validation F1 >= 0.95)."""
-    from kvsteward.synth import audit as am
+    from kvsteward.synth.traces import audit as am
 
     try:
         result = am.run_audit(ds, write=write)
@@ -260,7 +260,7 @@ def stats(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Counts, lengths and an independent re-check of the deletion labels against the raw traces."""
-    from kvsteward.synth.stats import dataset_stats
+    from kvsteward.synth.traces.stats import dataset_stats
 
     try:
         s = dataset_stats(ds, traces_dir, check_tokens=check_tokens)
@@ -276,7 +276,7 @@ def stats(
 def _make_planner(planner: str, model: str, endpoint: str | None, endpoint_model: str | None, max_new_tokens: int,
                   max_cursors: int, cursor_chars: int):
     """(name, LLMPlanner | None, reads function). `planner` is llm | lexical | next-step."""
-    from kvsteward.synth import planner as pl
+    from kvsteward.synth.traces import planner as pl
 
     if planner == "lexical":
         return "lexical", None, pl.lexical_reads
@@ -311,8 +311,8 @@ def import_(
 ) -> None:
     """Import user traces; their labels come from the file's provenance (`--planner provenance`) or a planner (label
     source recorded per trace)."""
-    from kvsteward.synth.importer import label_traces, provenance_traces, read_openai_jsonl
-    from kvsteward.synth.trace import write_traces
+    from kvsteward.synth.traces.importer import label_traces, provenance_traces, read_openai_jsonl
+    from kvsteward.synth.traces.trace import write_traces
 
     try:
         raw = read_openai_jsonl(file)
@@ -347,7 +347,7 @@ def bfcl(
 ) -> None:
     """BFCL v4 multi-turn conversations as agent sessions: the ground-truth calls executed offline against bfcl-eval's
     simulators give the tool responses; provenance from the values the calls copy (docs/synth.md, "BFCL")."""
-    from kvsteward.synth import bfcl as bf
+    from kvsteward.synth.traces import bfcl as bf
 
     cats = [c.strip() for c in categories.split(",") if c.strip()]
     bad = [c for c in cats if c not in bf.CATEGORIES]
@@ -382,8 +382,8 @@ def export(
     env: str = typer.Option("", "--env", help="only the traces of these environments (comma-separated)"),
 ) -> None:
     """Write traces as OpenAI-style message JSONL (the format `steward synth import` reads)."""
-    from kvsteward.synth.importer import write_openai_jsonl
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces.importer import write_openai_jsonl
+    from kvsteward.synth.traces.trace import read_traces
 
     try:
         trs = read_traces(traces_dir)
@@ -411,8 +411,8 @@ def extract(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """LLM planner vs the oracle: edge recall / precision, deletion-label quality; lexical and next-step baselines."""
-    from kvsteward.synth import planner as pl
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces import planner as pl
+    from kvsteward.synth.traces.trace import read_traces
 
     try:
         trs = read_traces(sessions)[:limit]
@@ -450,8 +450,8 @@ def extract(
 
 def _write_blueprints(path: Path, trs, predicted, tokenizer_name: str) -> None:
     from kvsteward.models import load_tokenizer
-    from kvsteward.synth.blueprint import blueprint_from_reads
-    from kvsteward.synth.tokens import PieceTokenizer, offsets
+    from kvsteward.synth.traces.blueprint import blueprint_from_reads
+    from kvsteward.synth.traces.tokens import PieceTokenizer, offsets
 
     ptok = PieceTokenizer(load_tokenizer(tokenizer_name))
     with open(path, "w") as f:

@@ -64,7 +64,7 @@ def manager_setup():
     manager evaluation's hand-checkable setting."""
     from kvsteward.models import load_tokenizer, tiny_model
     from kvsteward.serve.engine import Engine
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces.generate import generate_traces
 
     tok = load_tokenizer("smollm2")
     engine = Engine(tiny_model("llama", vocab=len(tok), seed=2), tok)

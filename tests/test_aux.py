@@ -11,7 +11,7 @@ from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.manager.decode import _close, valid_tail
 from kvsteward.serve.manager.thread import run_aux
-from kvsteward.synth.hindsight import unread_cursors
+from kvsteward.synth.traces.hindsight import unread_cursors
 
 torch.set_num_threads(1)
 OPEN = frozenset({3, 7, 12})
@@ -46,12 +46,12 @@ def test_close_keeps_only_completed_ids():
                                     {"plan": []}, {"plan": [{"cursor": 3, "readers": [13, 14]}]}])
 def test_forced_opener_is_a_token_prefix_of_every_training_target(tok, target):
     """The decoder forces `PREFIX` / `PLAN_PREFIX` as tokens and decodes the rest; the model was trained on the whole
-    target tokenized as one piece (`synth.hindsight.target_text`). The forced tokens must be exactly the target's
+    target tokenized as one piece (`synth.traces.hindsight.target_text`). The forced tokens must be exactly the target's
     first tokens, or the model decodes from a token state it never saw in training (` [` then `]}` for an empty list,
     where training has ` []` then `}`). The rest of the target must be a complete tail of the constraint."""
     from kvsteward.serve.manager.decode import PREFIX
     from kvsteward.serve.manager.planner import PLAN_PREFIX, PlanGrammar
-    from kvsteward.synth.hindsight import target_text
+    from kvsteward.synth.traces.hindsight import target_text
 
     text = target_text(target)
     prefix = PREFIX if "del_cursors" in target else PLAN_PREFIX
@@ -126,10 +126,10 @@ def test_serving_aux_context_is_the_training_row(engine, tok, style, monkeypatch
 
     from kvsteward.serve.manager.decode import PREFIX
     from kvsteward.serve.manager.thread import aux_steps
-    from kvsteward.synth import hindsight as hs
     from kvsteward.synth.chat import message_token_ids
-    from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces import hindsight as hs
+    from kvsteward.synth.traces.dataset import HindsightConfig, PieceTokenizer, _aux_at
+    from kvsteward.synth.traces.generate import generate_traces
 
     trace = next(t for t in generate_traces(6, seed=5) if len(t.cursors()) >= 4)
     b = hs.boundaries(trace, 2)[1]
@@ -253,10 +253,10 @@ def test_aux_context_first_serves_the_cut_training_row(tok, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     from kvsteward.serve.manager import thread as aux_mod
-    from kvsteward.synth import hindsight as hs
     from kvsteward.synth.chat import message_token_ids
-    from kvsteward.synth.dataset import HindsightConfig, PieceTokenizer, _aux_at
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces import hindsight as hs
+    from kvsteward.synth.traces.dataset import HindsightConfig, PieceTokenizer, _aux_at
+    from kvsteward.synth.traces.generate import generate_traces
     from kvsteward.train.data import first_message_rows
 
     base = tiny_model("llama", vocab=len(tok), seed=6)
@@ -313,7 +313,7 @@ def test_the_first_message_is_prefilled_once_and_served_bit_for_bit(tok, monkeyp
 
     from kvsteward.serve.manager import thread as aux_mod
     from kvsteward.synth.chat import message_token_ids
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces.generate import generate_traces
 
     base = tiny_model("llama", vocab=len(tok), seed=6)
     engine = Engine(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvsteward.synth import envs
-from kvsteward.synth.envs.ops import FAMILIES, Options
-from kvsteward.synth.hindsight import boundaries, cursor_notes, expired, unread_cursors
-from kvsteward.synth.toolcall import cursor_body, parse_tool_calls
-from kvsteward.synth.trace import Trace
+from kvsteward.synth.traces import envs
+from kvsteward.synth.traces.envs.ops import FAMILIES, Options
+from kvsteward.synth.traces.hindsight import boundaries, cursor_notes, expired, unread_cursors
+from kvsteward.synth.traces.toolcall import cursor_body, parse_tool_calls
+from kvsteward.synth.traces.trace import Trace
 
 N_TRACES = 200
 
@@ -272,7 +272,7 @@ _RARE_RE = re.compile(r"[A-Za-z]+(?:-[A-Za-z0-9]+)+|\b\d+\b")
 
 def _rare_words(text: str) -> set[str]:
     """The task's rare words: hyphenated names and ids (services, alerts, regions), numbers, team names."""
-    from kvsteward.synth.envs.ops_world import TEAMS
+    from kvsteward.synth.traces.envs.ops_world import TEAMS
 
     return set(_RARE_RE.findall(text)) | {w for w in TEAMS if re.search(rf"\b{w}\b", text)}
 
@@ -316,7 +316,7 @@ def test_cli(tmp_path):
     from typer.testing import CliRunner
 
     from kvsteward.pipelines.cli import app
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces.trace import read_traces
 
     res = CliRunner().invoke(app, ["synth", "traces", "--env", "ops", "--tasks", "5", "--out", str(tmp_path),
                                    "--json", "-o", "families=incident"])

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvsteward.synth import envs
-from kvsteward.synth.envs import research as R
-from kvsteward.synth.hindsight import boundaries, cursor_notes, expired, unread_cursors
-from kvsteward.synth.tasks import REL_PHRASE
-from kvsteward.synth.toolcall import cursor_body, parse_tool_calls
-from kvsteward.synth.trace import Trace
-from kvsteward.synth.world import _FOUNDED, DESCRIPTOR, FACT_TEMPLATES, NUMERIC, RELATIONS
+from kvsteward.synth.traces import envs
+from kvsteward.synth.traces.envs import research as R
+from kvsteward.synth.traces.hindsight import boundaries, cursor_notes, expired, unread_cursors
+from kvsteward.synth.traces.tasks import REL_PHRASE
+from kvsteward.synth.traces.toolcall import cursor_body, parse_tool_calls
+from kvsteward.synth.traces.trace import Trace
+from kvsteward.synth.traces.world import _FOUNDED, DESCRIPTOR, FACT_TEMPLATES, NUMERIC, RELATIONS
 
 SEED = 7
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvsteward.synth.envs import support
-from kvsteward.synth.hindsight import boundaries, cursor_notes, expired, unread_cursors
-from kvsteward.synth.toolcall import cursor_body, parse_tool_calls
+from kvsteward.synth.traces.envs import support
+from kvsteward.synth.traces.hindsight import boundaries, cursor_notes, expired, unread_cursors
+from kvsteward.synth.traces.toolcall import cursor_body, parse_tool_calls
 
 CATS = ("electronics", "apparel", "furniture", "grocery", "kitchen", "toys", "garden", "sports")
 ID_RE = re.compile(r"\b(?:C|T|O|KB|FM|DM|LT|WI|RF|WR)-\d+\b")

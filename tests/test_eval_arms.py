@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from kvsteward.eval.arms import SESSION, AttentionArm, RuleArm, attention_mass, fit_attention_threshold
-from kvsteward.eval.manager import Tally, evaluate, replay, summarize
-from kvsteward.synth.baselines import DeleteAllRead, KeepLastK
-from kvsteward.synth.decisions import decisions_from_trace
-from kvsteward.synth.hindsight import boundaries, expired, unread_cursors
+from kvsteward.eval.manager.arms import SESSION, AttentionArm, RuleArm, attention_mass, fit_attention_threshold
+from kvsteward.eval.manager.evaluate import Tally, evaluate, replay, summarize
+from kvsteward.synth.traces.baselines import DeleteAllRead, KeepLastK
+from kvsteward.synth.traces.decisions import decisions_from_trace
+from kvsteward.synth.traces.hindsight import boundaries, expired, unread_cursors
 
 torch.set_num_threads(1)
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvsteward.eval.calibrate import check_biases, check_confidences, choose, record, sweep
-from kvsteward.eval.manager import evaluate
+from kvsteward.eval.manager.calibrate import check_biases, check_confidences, choose, record, sweep
+from kvsteward.eval.manager.evaluate import evaluate
 from kvsteward.models import ADAPTER_META
 from kvsteward.serve.engine import Engine
-from kvsteward.synth.generate import generate_traces
+from kvsteward.synth.traces.generate import generate_traces
 
 torch.set_num_threads(1)
 
@@ -107,7 +107,7 @@ def test_the_record_keeps_the_training_record_and_the_engine_serves_it(tiny_fold
 
 
 def _traces_dir(tmp_path):
-    from kvsteward.synth.trace import write_traces
+    from kvsteward.synth.traces.trace import write_traces
 
     traces = [t for t in generate_traces(20, seed=5)]
     assert any(t.split == "validation" and len(t.cursors()) >= 4 for t in traces)
@@ -177,7 +177,7 @@ def test_eval_cli_workers_and_journal(tiny_folder, adapter_dir, tmp_path):
     """`--workers 2` (each process loads the model and adapter itself) gives the serial result; `--journal` keeps the
     finished traces, a rerun reads them instead of playing, other settings are refused by name; bad values are
     refused before anything loads."""
-    from kvsteward.synth.trace import write_traces
+    from kvsteward.synth.traces.trace import write_traces
 
     keep = [t for t in generate_traces(30, seed=5) if t.split == "validation" and len(t.cursors()) >= 4][:2]
     assert len(keep) == 2

@@ -8,9 +8,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from kvsteward.eval.manager import Tally, answer_prefix, harm_kind, replay, summarize
+from kvsteward.eval.manager.evaluate import Tally, answer_prefix, harm_kind, replay, summarize
 from kvsteward.serve.manager.decode import AuxDecision
-from kvsteward.synth.hindsight import expired
+from kvsteward.synth.traces.hindsight import expired
 
 torch.set_num_threads(1)
 
@@ -73,7 +73,7 @@ def test_answer_prefix_stops_where_the_value_must_be_recalled(manager_setup):
 def test_close_bias_reaches_the_decoder_through_evaluate(manager_setup):
     """`evaluate(close_bias=...)` drives the real constrained decoder: a huge bias toward closing the list deletes
     nothing, a huge bias against it deletes every open cursor (recall 1)."""
-    from kvsteward.eval.manager import evaluate
+    from kvsteward.eval.manager.evaluate import evaluate
 
     engine, traces = manager_setup
     keep = evaluate(engine, traces, every=2, arms=("base",), close_bias=1e4)
@@ -118,7 +118,7 @@ def test_aux_context_reaches_the_decoder_through_evaluate(manager_setup, monkeyp
     """`Engine.aux_context` (an adapter's recorded context, or `--aux-context`) is what `evaluate` serves: with
     `first` every aux call that decodes runs on a first-message session, with `full` none does; the result says
     which."""
-    from kvsteward.eval.manager import evaluate
+    from kvsteward.eval.manager.evaluate import evaluate
     from kvsteward.serve.manager import thread as aux_mod
 
     engine, traces = manager_setup
@@ -152,7 +152,7 @@ def test_workers_give_the_serial_result(manager_setup):
     for number (traces are independent and greedy; merged in trace order)."""
     from functools import partial
 
-    from kvsteward.eval.manager import evaluate
+    from kvsteward.eval.manager.evaluate import evaluate
     from kvsteward.serve.server.testing import tiny_chat_engine
 
     engine, traces = manager_setup
@@ -166,7 +166,7 @@ def test_a_journal_resumes_where_a_run_stopped(manager_setup, tmp_path, monkeypa
     """A journal keeps every finished trace: a rerun plays only the missing ones and gives the uninterrupted result;
     a line cut short by a crash is played again; other settings, or another trace under a journaled name, are
     refused; a sweep that adds an arm plays only that arm."""
-    from kvsteward.eval import manager as mgr
+    from kvsteward.eval.manager import evaluate as mgr
 
     engine, traces = manager_setup
     whole = mgr.evaluate(engine, traces, every=2, arms=("base",), close_bias=-1.0)
@@ -213,7 +213,7 @@ def test_workers_exit_when_their_parent_is_killed():
 
     code = ("import multiprocessing, os, sys, time\n"
             "from concurrent.futures import ProcessPoolExecutor\n"
-            "from kvsteward.eval.manager import _worker_init\n"
+            "from kvsteward.eval.manager.evaluate import _worker_init\n"
             "if __name__ == '__main__':\n"
             "    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
             "                               initializer=_worker_init, initargs=(dict, 1))\n"

@@ -71,3 +71,36 @@ def test_the_check_catches_a_wrong_import(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("def f():\n    from kvsteward.serve.server.api import make_app\n")
     assert ("server", "api") in _serve_targets(p)
+
+
+# ------------------------------------------------------------------------------------------- synth/ and eval/
+ROOT = SERVE.parent
+# (folder, package) → the kvsteward packages its modules must not import: the long-session side may read the trace
+# side (sessions re-expressed as traces, the planners), never the reverse; each eval side reads only its own synth side.
+FORBIDDEN = {
+    ("synth", "traces"): ["kvsteward.synth.longsession", "kvsteward.eval.longsession"],
+    ("synth", "longsession"): ["kvsteward.eval.manager"],
+    ("eval", "manager"): ["kvsteward.eval.longsession", "kvsteward.synth.longsession"],
+    ("eval", "longsession"): ["kvsteward.eval.manager", "kvsteward.synth.traces"],
+}
+SHARED = {"synth": {"chat.py", "rng.py", "__init__.py"}, "eval": {"scoring.py", "tracking.py", "__init__.py"}}
+
+
+def test_synth_and_eval_hold_two_products_and_a_few_shared_modules():
+    for folder, shared in SHARED.items():
+        assert {p.name for p in (ROOT / folder).glob("*.py")} == shared
+        subpackages = {p.name for p in (ROOT / folder).iterdir() if p.is_dir() and not p.name.startswith("__")}
+        assert subpackages == {pkg for f, pkg in FORBIDDEN if f == folder}
+        for pkg in subpackages:
+            doc = ast.get_docstring(ast.parse((ROOT / folder / pkg / "__init__.py").read_text()))
+            assert doc, f"{folder}/{pkg}/__init__.py says what it is"
+
+
+def test_synth_and_eval_sides_import_one_way():
+    bad = []
+    for (folder, pkg), forbidden in FORBIDDEN.items():
+        for path in (ROOT / folder / pkg).rglob("*.py"):
+            for name in _imports(path):
+                if any(name == f or name.startswith(f + ".") for f in forbidden):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)

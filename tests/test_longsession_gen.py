@@ -12,11 +12,11 @@ import pytest
 from kvsteward.eval.scoring import code_checks
 from kvsteward.serve.engine.blueprint import parse_blueprint
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.longsession import generate_session, generate_sessions
-from kvsteward.synth.longsession_defs import Spec, code_probes, make_spec
-from kvsteward.synth.longsession_schema import read_jsonl, write_jsonl
-from kvsteward.synth.longsession_tests import reference_solution
-from kvsteward.synth.stdlib_filler import is_test_path, stdlib_files
+from kvsteward.synth.longsession.code_tests import reference_solution
+from kvsteward.synth.longsession.defs import Spec, code_probes, make_spec
+from kvsteward.synth.longsession.generate import generate_session, generate_sessions
+from kvsteward.synth.longsession.schema import read_jsonl, write_jsonl
+from kvsteward.synth.longsession.stdlib_filler import is_test_path, stdlib_files
 
 LENGTH, DISTANCES = 6000, [400, 2500, 5000]
 
@@ -208,7 +208,7 @@ def test_minimal_record_from_the_schema_doc_loads(tok, tmp_path):
 
 def test_fact_gold_tokenizes_as_its_own_continuation(tok):
     """Teacher forcing needs encode(prefix + gold) == encode(prefix) + encode(gold) for every fact kind."""
-    from kvsteward.synth.longsession_defs import FACT_KINDS, fact_probes
+    from kvsteward.synth.longsession.defs import FACT_KINDS, fact_probes
 
     for seed in range(3):
         for p in fact_probes(make_spec(seed), FACT_KINDS):

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvsteward.eval import longsession as ls
+from kvsteward.eval.longsession import runner as ls
 from kvsteward.serve.server.testing import tiny_chat_engine
-from kvsteward.synth.longsession import generate_sessions
+from kvsteward.synth.longsession.generate import generate_sessions
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import pytest
 
 from kvsteward.serve.engine.blueprint import parse_blueprint
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.longsession import generate_session, generate_sessions
-from kvsteward.synth.longsession_ops import OPS_FACT_KINDS, make_ops_spec, ops_probes
-from kvsteward.synth.prose_filler import docstrings_of, prose_stream, reference_topics
+from kvsteward.synth.longsession.generate import generate_session, generate_sessions
+from kvsteward.synth.longsession.ops import OPS_FACT_KINDS, make_ops_spec, ops_probes
+from kvsteward.synth.longsession.prose_filler import docstrings_of, prose_stream, reference_topics
 
 LENGTH, DISTANCES = 6000, [400, 4500]
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from kvsteward.eval import longsession as ls
+from kvsteward.eval.longsession import runner as ls
 from kvsteward.serve.server.testing import tiny_chat_engine
-from kvsteward.synth import longsession_planner as lp
-from kvsteward.synth.longsession import generate_sessions
-from kvsteward.synth.longsession_schema import Message, Probe, Session, ensure_layout
+from kvsteward.synth.longsession import planner as lp
+from kvsteward.synth.longsession.generate import generate_sessions
+from kvsteward.synth.longsession.schema import Message, Probe, Session, ensure_layout
 
 
 @pytest.fixture(scope="module")

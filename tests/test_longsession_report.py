@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvsteward.eval.report import flat_metrics, log_to_mlflow, markdown, write_report
+from kvsteward.eval.longsession.report import flat_metrics, log_to_mlflow, markdown, write_report
 
 
 def _cell(acc, res, gap, n=15):
@@ -81,7 +81,7 @@ def test_log_to_mlflow_default_local_store(tmp_path, monkeypatch):
 def test_per_fact_breakdown_counts_answers_and_names_the_wrong_ones():
     """`summarize` gives each fact kind its answered / played and the wrong answers by count (the text up to the
     closing quote); the report prints them."""
-    from kvsteward.eval.longsession import ProbeRow, RunConfig, summarize
+    from kvsteward.eval.longsession.runner import ProbeRow, RunConfig, summarize
 
     def row(session, probe, score, text):
         return ProbeRow(session, 1024, "pace", probe, "fact", score, extra={"generated": text})

@@ -12,8 +12,8 @@ import torch
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.manager import run_aux
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.envs import generate
-from kvsteward.synth.toolcall import cursor_body, cursor_content
+from kvsteward.synth.traces.envs import generate
+from kvsteward.synth.traces.toolcall import cursor_body, cursor_content
 
 torch.set_num_threads(1)
 

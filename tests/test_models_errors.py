@@ -53,7 +53,7 @@ def test_adapter_without_config_is_refused_before_the_base_model_loads(tmp_path,
 def test_steward_prints_one_line_and_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["steward", "eval", "manager", "--adapter", str(tmp_path / "none"),
                                       "--data", str(tmp_path), "--traces", str(tmp_path)])
-    monkeypatch.setattr("kvsteward.synth.trace.read_traces", lambda _p: [_FakeTrace()])
+    monkeypatch.setattr("kvsteward.synth.traces.trace.read_traces", lambda _p: [_FakeTrace()])
     with pytest.raises(SystemExit) as e:
         cli.main()
     assert e.value.code == 2

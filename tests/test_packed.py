@@ -1,4 +1,4 @@
-"""Packed rows (synth/packed.py + train/data.tree_mask): one forward over the trace and all its auxiliary calls
+"""Packed rows (synth/traces/packed.py + train/data.tree_mask): one forward over the trace and all its auxiliary calls
 equals the serving engine (appends, drops, read-only forks), and the trainer's loss on it gathers the right tokens.
 
 An unpacked forward per view (only the keys a group may see, recomputed) is *not* a reference: the engine keeps the
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.synth import hindsight as hs
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.packed import NEVER, packed_row
-from kvsteward.synth.tokens import PieceTokenizer
+from kvsteward.synth.traces import hindsight as hs
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.packed import NEVER, packed_row
+from kvsteward.synth.traces.tokens import PieceTokenizer
 from kvsteward.train.data import Collator, tree_mask
 
 torch.set_num_threads(1)
@@ -149,9 +149,9 @@ def test_trainer_loss_on_packed_rows_matches_packed_logits(tmp_path, tok, row):
 
 
 def test_packed_dataset_card_and_stats(tmp_path, tok):
-    from kvsteward.synth import dataset as dsm
-    from kvsteward.synth.stats import dataset_stats
-    from kvsteward.synth.trace import write_traces
+    from kvsteward.synth.traces import dataset as dsm
+    from kvsteward.synth.traces.stats import dataset_stats
+    from kvsteward.synth.traces.trace import write_traces
 
     traces = generate_traces(6, seed=2)
     write_traces(tmp_path / "tr", traces, {})
@@ -187,8 +187,8 @@ def test_packed_dataset_card_and_stats(tmp_path, tok):
 def test_packed_branches_carry_the_notes_trigger_the_served_fork_writes(tok, trace):
     """`--pack --trigger notes`: each call's branch holds the notes trigger of the served context (message indices =
     cursor ids, dropped messages included), records its text, and the dataset checker accepts it."""
-    from kvsteward.synth.packed import call_messages
-    from kvsteward.synth.stats import delete_row_errors
+    from kvsteward.synth.traces.packed import call_messages
+    from kvsteward.synth.traces.stats import delete_row_errors
 
     r = packed_row(trace, PieceTokenizer(tok), every=1, mask_prob=0.5, seed=3, plan=False, trigger="notes")
     last = trace.last_use()

@@ -1,5 +1,6 @@
 """The aux memory-manager thread inside the server (SideQuest): it forks at the training boundary (right after the K-th
-tool response, before the reply: `synth.hindsight.boundaries`); its drop is the engine-level `run_aux` decision on
+tool response, before the reply: `synth.traces.hindsight.boundaries`); its drop is the engine-level `run_aux` decision
+on
 that state applied as a drop before the next turn; it runs only in idle time and yields to main requests; a restart
 replays it exactly; main turns never see half of one. Also the `bench aux` plumbing."""
 
@@ -92,8 +93,8 @@ def by_hand(engine, path, acks: list[dict], turns: list[dict], use_adapter: bool
 def test_fork_point_is_hindsight_boundary():
     """An agent loop (one tool response per turn, each followed by a generated reply): the server's fork points are
     exactly `boundaries(trace, K)` - 1, for every K."""
-    from kvsteward.synth.hindsight import boundaries
-    from kvsteward.synth.trace import Trace
+    from kvsteward.synth.traces.hindsight import boundaries
+    from kvsteward.synth.traces.trace import Trace
 
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     while len(msgs) < 24:

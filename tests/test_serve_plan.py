@@ -21,8 +21,8 @@ from kvsteward.serve.manager.worker import AuxConfig
 from kvsteward.serve.server.api import ServerConfig, create_app
 from kvsteward.serve.server.store import RebuildError
 from kvsteward.serve.server.testing import live, tiny_chat_engine, turn
-from kvsteward.synth.hindsight import plan_target, target_text
-from kvsteward.synth.trace import Trace
+from kvsteward.synth.traces.hindsight import plan_target, target_text
+from kvsteward.synth.traces.trace import Trace
 
 torch.set_num_threads(1)
 
@@ -107,7 +107,7 @@ def test_plan_grammar_is_the_training_target_language():
         assert text.startswith(PLAN_PREFIX)
         return text[len(PLAN_PREFIX):]
 
-    # the exact text `synth.hindsight` trains on is in the language, every prefix of it is a live prefix
+    # the exact text `synth.traces.hindsight` trains on is in the language, every prefix of it is a live prefix
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     for i in range(3, 16):
         msgs.append({"role": "tool", "content": f"[cursor {i}] r"} if i in (3, 5, 9) else

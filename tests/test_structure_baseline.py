@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from kvsteward.synth import baselines as bl
-from kvsteward.synth.decisions import Decision, decisions_at
-from kvsteward.synth.structure import FEATURES, content_words, identifiers
+from kvsteward.synth.traces import baselines as bl
+from kvsteward.synth.traces.decisions import Decision, decisions_at
+from kvsteward.synth.traces.structure import FEATURES, content_words, identifiers
 
 
 def _ctx() -> list[dict]:

@@ -13,11 +13,11 @@ from datasets import load_from_disk
 from typer.testing import CliRunner
 
 from kvsteward.pipelines.cli import app
-from kvsteward.synth import audit as am
-from kvsteward.synth import baselines as bl
-from kvsteward.synth.decisions import Decision, decisions_at, decisions_from_split
-from kvsteward.synth.hindsight import boundaries, expired, unread_cursors
-from kvsteward.synth.trace import read_traces, write_traces
+from kvsteward.synth.traces import audit as am
+from kvsteward.synth.traces import baselines as bl
+from kvsteward.synth.traces.decisions import Decision, decisions_at, decisions_from_split
+from kvsteward.synth.traces.hindsight import boundaries, expired, unread_cursors
+from kvsteward.synth.traces.trace import read_traces, write_traces
 
 runner = CliRunner()
 KEYS = {"f1", "precision", "recall", "harmful_rate", "harmful_rate_ci95", "deleted", "n_decisions", "setting"}

@@ -1,4 +1,5 @@
-"""BFCL v4 multi-turn as agent sessions (`kvsteward.synth.bfcl`): execution of the ground truth, the provenance rule,
+"""BFCL v4 multi-turn as agent sessions (`kvsteward.synth.traces.bfcl`): execution of the ground truth, the provenance
+rule,
 and the round trip through `steward synth import` and hindsight labelling."""
 
 import json
@@ -11,10 +12,10 @@ pytest.importorskip("bfcl_eval")
 from typer.testing import CliRunner  # noqa: E402
 
 from kvsteward.pipelines.cli import app  # noqa: E402
-from kvsteward.synth import bfcl  # noqa: E402
-from kvsteward.synth import hindsight as hs  # noqa: E402
-from kvsteward.synth.importer import provenance_traces, read_openai_jsonl  # noqa: E402
-from kvsteward.synth.toolcall import cursor_body, cursor_id, parse_tool_calls  # noqa: E402
+from kvsteward.synth.traces import bfcl  # noqa: E402
+from kvsteward.synth.traces import hindsight as hs  # noqa: E402
+from kvsteward.synth.traces.importer import provenance_traces, read_openai_jsonl  # noqa: E402
+from kvsteward.synth.traces.toolcall import cursor_body, cursor_id, parse_tool_calls  # noqa: E402
 
 # every simulator class, both categories, short and long responses
 PICK = {"base": [3, 4, 14, 34, 80, 105, 193], "long_context": [17, 41, 107]}
@@ -198,8 +199,8 @@ def test_import_round_trip_and_hindsight_labels(records, tmp_path):
 
 
 def test_a_conversation_and_its_long_context_version_share_a_split(tmp_path):
-    from kvsteward.synth.generate import split_of
     from kvsteward.synth.rng import mix
+    from kvsteward.synth.traces.generate import split_of
 
     for i in range(40):
         ids = [bfcl.session_id(c, i) for c in bfcl.CATEGORIES]

@@ -42,8 +42,8 @@ def test_traces_hindsight_stats_contract(traces_dir, tmp_path):
 def test_packed_hindsight_stats(traces_dir, tmp_path):
     card = json.loads(_ok(["synth", "hindsight", str(traces_dir), "--every", "2", "--pack", "--max-tokens", "100000",
                            "--out", str(tmp_path / "ds"), "--json"]))
-    from kvsteward.synth.hindsight import boundaries
-    from kvsteward.synth.trace import read_traces
+    from kvsteward.synth.traces.hindsight import boundaries
+    from kvsteward.synth.traces.trace import read_traces
 
     with_calls = Counter(t.split for t in read_traces(traces_dir) if boundaries(t, 2))  # one packed row each
     assert {s: r.get("packed", 0) for s, r in card["rows"].items()} == {s: with_calls[s] for s in card["rows"]}

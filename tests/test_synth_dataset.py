@@ -7,15 +7,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-from kvsteward.synth import dataset as dsm
-from kvsteward.synth import hindsight as hs
-from kvsteward.synth.blueprint import oracle_blueprint, plan_to_blueprint
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.solver import TraceConfig
-from kvsteward.synth.stats import dataset_stats
-from kvsteward.synth.tokens import PieceTokenizer, offsets
-from kvsteward.synth.trace import write_traces
+from kvsteward.synth.traces import dataset as dsm
+from kvsteward.synth.traces import hindsight as hs
+from kvsteward.synth.traces.blueprint import oracle_blueprint, plan_to_blueprint
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.solver import TraceConfig
+from kvsteward.synth.traces.stats import dataset_stats
+from kvsteward.synth.traces.tokens import PieceTokenizer, offsets
+from kvsteward.synth.traces.trace import write_traces
 
 CFG = TraceConfig(world_size=200, max_hops=4)
 

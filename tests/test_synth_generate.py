@@ -7,12 +7,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.solver import TraceConfig
-from kvsteward.synth.tasks import check_answer
-from kvsteward.synth.toolcall import cursor_body, parse_tool_calls
-from kvsteward.synth.trace import read_traces, write_traces
-from kvsteward.synth.world import build_worlds
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.solver import TraceConfig
+from kvsteward.synth.traces.tasks import check_answer
+from kvsteward.synth.traces.toolcall import cursor_body, parse_tool_calls
+from kvsteward.synth.traces.trace import read_traces, write_traces
+from kvsteward.synth.traces.world import build_worlds
 
 SMALL = TraceConfig(world_size=300)
 

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsteward.synth import hindsight as hs
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.solver import TraceConfig
-from kvsteward.synth.stats import delete_row_errors
-from kvsteward.synth.tasks import FIELD_WORDS, RECAP_REQUEST
-from kvsteward.synth.toolcall import cursor_content
-from kvsteward.synth.trace import Trace
+from kvsteward.synth.traces import hindsight as hs
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.solver import TraceConfig
+from kvsteward.synth.traces.stats import delete_row_errors
+from kvsteward.synth.traces.tasks import FIELD_WORDS, RECAP_REQUEST
+from kvsteward.synth.traces.toolcall import cursor_content
+from kvsteward.synth.traces.trace import Trace
 
 
 def hand_trace(roles: str, reads: dict[int, list[int]]) -> Trace:

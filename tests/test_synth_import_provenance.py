@@ -8,8 +8,8 @@ import json
 from typer.testing import CliRunner
 
 from kvsteward.pipelines.cli import app
-from kvsteward.synth.envs import generate
-from kvsteward.synth.trace import read_traces, write_traces
+from kvsteward.synth.traces.envs import generate
+from kvsteward.synth.traces.trace import read_traces, write_traces
 
 runner = CliRunner()
 

@@ -16,16 +16,16 @@ import pytest
 from typer.testing import CliRunner
 
 from kvsteward.pipelines.cli import app
-from kvsteward.synth import hindsight as hs
-from kvsteward.synth.longsession import generate_sessions
-from kvsteward.synth.longsession_traces import (
+from kvsteward.synth.longsession.generate import generate_sessions
+from kvsteward.synth.longsession.traces import (
     TOOL_NAME,
     filler_chunk,
     longsession_traces,
     session_to_trace,
     split_of_seed,
 )
-from kvsteward.synth.toolcall import cursor_body, cursor_id, parse_tool_calls
+from kvsteward.synth.traces import hindsight as hs
+from kvsteward.synth.traces.toolcall import cursor_body, cursor_id, parse_tool_calls
 
 LENGTH, DISTANCES, CHUNK = 3000, [300, 1500], 300
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

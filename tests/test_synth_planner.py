@@ -6,11 +6,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
-from kvsteward.synth import planner as pl
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.solver import TraceConfig
-from kvsteward.synth.toolcall import cursor_content
-from kvsteward.synth.trace import Trace
+from kvsteward.synth.traces import planner as pl
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.solver import TraceConfig
+from kvsteward.synth.traces.toolcall import cursor_content
+from kvsteward.synth.traces.trace import Trace
 
 
 def _trace(reads):

@@ -9,17 +9,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.importer import (
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.importer import (
     label_traces,
     openai_to_messages,
     read_openai_jsonl,
     trace_to_openai,
     write_openai_jsonl,
 )
-from kvsteward.synth.planner import next_step_reads
-from kvsteward.synth.solver import TraceConfig
-from kvsteward.synth.toolcall import cursor_id, parse_tool_calls, render_assistant, template_supports_tools
+from kvsteward.synth.traces.planner import next_step_reads
+from kvsteward.synth.traces.solver import TraceConfig
+from kvsteward.synth.traces.toolcall import cursor_id, parse_tool_calls, render_assistant, template_supports_tools
 
 OPENAI_SESSION = [
     {"role": "system", "content": "You are an agent."},

@@ -12,12 +12,12 @@ from datasets import Dataset
 
 from kvsteward.models import adapter_meta, tiny_model
 from kvsteward.serve.engine import Engine
-from kvsteward.synth import hindsight as hs
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.dataset import HindsightConfig, _aux_at
-from kvsteward.synth.generate import generate_traces
-from kvsteward.synth.packed import packed_row
-from kvsteward.synth.tokens import PieceTokenizer
+from kvsteward.synth.traces import hindsight as hs
+from kvsteward.synth.traces.dataset import HindsightConfig, _aux_at
+from kvsteward.synth.traces.generate import generate_traces
+from kvsteward.synth.traces.packed import packed_row
+from kvsteward.synth.traces.tokens import PieceTokenizer
 from kvsteward.train.data import Collator, DataError, check_fork_points, first_message_rows
 from kvsteward.train.lora import LoraRunConfig, training_args, wrap_lora
 from kvsteward.train.trainer import StewardTrainer
@@ -255,7 +255,7 @@ def test_train_on_first_message_rows_keeps_rows_whose_full_context_is_too_long(t
     """`train_lora(aux_context="first")`: the cut happens before the length filter, so deletion rows whose full
     context exceeds `max_len` are trained on instead of dropped; the run says so and writes the adapter, which
     records `aux_context: first` for its server."""
-    from kvsteward.synth.dataset import build_dataset
+    from kvsteward.synth.traces.dataset import build_dataset
     from kvsteward.train.data import fit_length
     from kvsteward.train.lora import train_lora
 

@@ -125,8 +125,8 @@ def test_delete_row_difficulty_against_the_traces_provenance():
     still read later (and so is kept by the target). Then the weighting repeats and leaves out exactly those rows."""
 
     from kvsteward.models import load_tokenizer
-    from kvsteward.synth.dataset import HindsightConfig, build_rows, features
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces.dataset import HindsightConfig, build_rows, features
+    from kvsteward.synth.traces.generate import generate_traces
     from kvsteward.train.data import delete_row_difficulty, weigh_delete_rows
 
     traces = {t.task_id: t for t in generate_traces(8, seed=3)}
@@ -157,8 +157,8 @@ def test_delete_row_difficulty_against_the_traces_provenance():
 
 def test_dataset_trigger_from_the_card_else_from_the_rows(tmp_path, tok):
     """The layout the adapter records: the card's entry, else the first deletion row's trigger, else `ids`."""
-    from kvsteward.synth.dataset import HindsightConfig, build_dataset
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces.dataset import HindsightConfig, build_dataset
+    from kvsteward.synth.traces.generate import generate_traces
     from kvsteward.train.data import dataset_trigger
 
     traces = generate_traces(4, seed=2)

@@ -14,8 +14,8 @@ from kvsteward.models import adapter_meta, tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.chat import message_token_ids
-from kvsteward.synth.dataset import HindsightConfig, build_dataset
-from kvsteward.synth.generate import generate_traces
+from kvsteward.synth.traces.dataset import HindsightConfig, build_dataset
+from kvsteward.synth.traces.generate import generate_traces
 from kvsteward.train import decisions
 from kvsteward.train.data import DataError
 from kvsteward.train.decisions import DecisionRow, decide, decision_rows, score

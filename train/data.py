@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from kvsteward.synth.dataset import CARD_JSON
-from kvsteward.synth.hindsight import unread_cursors
-from kvsteward.synth.packed import COLUMNS as PACKED
-from kvsteward.synth.packed import NEVER
-from kvsteward.synth.toolcall import cursor_id
+from kvsteward.synth.traces.dataset import CARD_JSON
+from kvsteward.synth.traces.hindsight import unread_cursors
+from kvsteward.synth.traces.packed import COLUMNS as PACKED
+from kvsteward.synth.traces.packed import NEVER
+from kvsteward.synth.traces.toolcall import cursor_id
 from kvsteward.train.loss import IGNORE
 
 REQUIRED = ("input_ids", "labels", "is_aux")
@@ -169,7 +169,7 @@ def weigh_delete_rows(ds: Dataset, hard_weight: int = 1, skip_trivial: bool = Fa
 
 
 def tree_mask(segment: torch.Tensor, time: torch.Tensor, expire: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) bool attention mask of packed rows (True = may attend); the rules are in `synth/packed.py`.
+    """(B, 1, T, T) bool attention mask of packed rows (True = may attend); the rules are in `synth/traces/packed.py`.
 
     Query q sees key k iff k ≤ q, k is not padding, k is on the trunk or on q's own branch, and q's time is before
     k's expiry. Padding queries see themselves only (no all-masked softmax row).

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvsteward.models import write_adapter_meta
-from kvsteward.synth.hindsight import AUX_CONTEXTS
+from kvsteward.synth.traces.hindsight import AUX_CONTEXTS
 from kvsteward.train.data import (
     ADAPTER_SCOPES,
     Collator,

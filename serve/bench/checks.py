@@ -285,7 +285,7 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
     from kvsteward.serve.server.completions import ServeLimits
     from kvsteward.serve.server.metrics import Metrics
     from kvsteward.serve.server.store import SessionStore
-    from kvsteward.synth.generate import generate_traces
+    from kvsteward.synth.traces.generate import generate_traces
 
     use_adapter = engine.is_peft if use_adapter is None else use_adapter
     root = Path(data_dir or tempfile.mkdtemp(prefix="kvsteward-bench-aux-"))

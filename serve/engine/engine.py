@@ -18,7 +18,7 @@ class Engine:
                  close_bias: float = 0.0, min_confidence: float | None = None):
         from kvsteward.kernels.rope import detect_model_rope
         from kvsteward.models import check_close_bias, check_min_confidence
-        from kvsteward.synth.hindsight import check_aux_context, check_trigger_style
+        from kvsteward.synth.traces.hindsight import check_aux_context, check_trigger_style
 
         self.model = model.eval()
         # The deletion trigger the aux thread writes, and the context it follows (the whole session, or its first

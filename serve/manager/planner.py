@@ -1,7 +1,7 @@
 """The learned planner (`Planning mode`): a blueprint for the foresight policy, decoded under a strict grammar.
 
 With `AuxConfig.plan` (`steward serve --aux-plan`), after the deletion decode the worker runs `Planning mode`
-(`synth.hindsight.PLAN_TRIGGER`) on its own shared fork of the same boundary state and decodes
+(`synth.traces.hindsight.PLAN_TRIGGER`) on its own shared fork of the same boundary state and decodes
 `{"plan": [{"cursor": c, "readers": [step, ...]}, ...]}` under `PlanGrammar` (open cursors ascending, readers strictly
 ascending future steps: always well-formed JSON in `json.dumps` form; only a token budget running out leaves it
 unfinished, which is a parse failure). `parse_plan` validates strictly; an invalid plan is never applied in part. The
@@ -20,7 +20,7 @@ from kvsteward.serve.engine.blueprint import PlannedSpan, parse_blueprint
 from kvsteward.serve.engine.session import Session
 from kvsteward.serve.manager.decode import LIST_OPEN, _candidates, drive
 from kvsteward.synth.chat import generation_prompt, message_texts
-from kvsteward.synth.hindsight import PLAN_TRIGGER
+from kvsteward.synth.traces.hindsight import PLAN_TRIGGER
 
 PLAN_PREFIX = '{"plan":'  # stops before the bracket, as `PREFIX` does (` [{` and ` []` are single tokens)
 PLAN_HORIZON = 4096  # readers are steps in [boundary, boundary + PLAN_HORIZON): a bound that ends every number
@@ -48,7 +48,7 @@ def _has_prefix_in(digits: str, lo: int, hi: int) -> bool:
 
 
 class PlanGrammar:
-    """The plan tail after the forced `{"plan":`, exactly as `json.dumps` writes `synth.hindsight.plan_target`:
+    """The plan tail after the forced `{"plan":`, exactly as `json.dumps` writes `synth.traces.hindsight.plan_target`:
 
         " [" ("]}"  |  ENTRY (", " ENTRY)* "]}")        ENTRY = '{"cursor": ' C ', "readers": [' R (", " R)* "]}"
 

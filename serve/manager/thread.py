@@ -1,8 +1,10 @@
 """The aux thread itself (SideQuest): fork the main session at a boundary, append the trigger, decode the deletion.
 
-At a *boundary* — right after every K-th tool response, the moment `synth/hindsight.py` trains the manager on — fork the
+At a *boundary* — right after every K-th tool response, the moment `synth/traces/hindsight.py` trains the manager on —
+fork the
 main session (a shared fork: it reads the main K/V in place, copying none; the main session is never written), append
-the trigger message (`Memory management mode`, then `Open cursors: ...`: `synth.hindsight.delete_trigger`, the text the
+the trigger message (`Memory management mode`, then `Open cursors: ...`: `synth.traces.hindsight.delete_trigger`, the
+text the
 manager was trained on, in the layout its adapter records: `Engine.trigger_style`) and the assistant opener, then
 decode `{"del_cursors": [...]}` under the grammar of `manager.decode`. The caller applies the deletion to the main
 session as a `drop` at its next turn. The aux tokens never enter the main context.
@@ -25,7 +27,7 @@ from kvsteward.serve.manager.decode import (
     drive,
 )
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
-from kvsteward.synth.hindsight import delete_trigger, unread_cursors
+from kvsteward.synth.traces.hindsight import delete_trigger, unread_cursors
 
 
 def open_cursors(messages: list[dict], dropped) -> list[int]:
@@ -38,7 +40,7 @@ def fork_point(messages: list[dict], first: int, every: int) -> int | None:
     """Where a turn that appends `messages[first:]` forks the aux thread: the index t of the last new tool message
     that is the K-th, 2K-th, ... tool response of the session (`every` = K, counting every tool message, dropped ones
     included), or None. The fork is the state right after message t (and the cache ops that belong right after it),
-    before the next message or the reply: exactly `synth.hindsight.boundaries(trace, K)`'s boundary t + 1. A turn
+    before the next message or the reply: exactly `synth.traces.hindsight.boundaries(trace, K)`'s boundary t + 1. A turn
     that crosses two multiples of K forks once, at the later one."""
     if every < 1:
         raise ValueError(f"aux every K must be >= 1, got {every}")

@@ -32,7 +32,8 @@ if its op history equals the persisted one (else it is discarded), and without o
 
 The aux memory manager (SideQuest, `serve/manager/`): a turn that appends the K-th, 2K-th, ... tool response of the
 session forks it right after that tool message (and the cache ops that belong right after it), before the next
-message or the reply — the training boundary of `synth/hindsight.py` — and, once the turn is persisted, hands the fork
+message or the reply — the training boundary of `synth/traces/hindsight.py` — and, once the turn is persisted, hands
+the fork
 to the aux worker, which decodes `{"del_cursors": [...]}` in idle time. The decision is applied at the start of the
 session's next turn, as a drop of those tool messages before any of the turn's own ops, and persisted with that turn
 (`"aux"` in the turn record, the drop among its `"ops"`): a restart replays it exactly. A decision still being

@@ -1,7 +1,8 @@
 """The SideQuest auxiliary thread on SGLang: a prefix fork of the main thread, and its decision as a drop.
 
 The fork is a plain request whose history is the main thread's up to and including the K-th tool response — the
-boundary the manager was trained on (`kvsteward.synth.hindsight.boundaries`), i.e. the main request's prompt before
+boundary the manager was trained on (`kvsteward.synth.traces.hindsight.boundaries`), i.e. the main request's prompt
+before
 its reply — plus the trigger message: it matches the main's cached state in the tree (same op path, no copy;
 the tree's lock references keep the shared nodes alive) and appends the trigger in its own new slots, which never
 enter the main's path. Its `{"del_cursors": [...]}` reply becomes a drop (with a reposition unless the caller asks

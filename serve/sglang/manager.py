@@ -144,7 +144,7 @@ class SglangManager:
         return cls(tokenizer, lora=lora, **{**args, **kw})
 
     def deletable(self, messages: list[dict], open_cursors: list[int]) -> list[int]:
-        from kvsteward.synth.hindsight import unread_cursors
+        from kvsteward.synth.traces.hindsight import unread_cursors
 
         unread = set(unread_cursors(messages)) if self.keep_unread else set()
         return [c for c in open_cursors if c not in unread]
@@ -152,7 +152,7 @@ class SglangManager:
     def trigger_ids(self, messages: list[dict], open_cursors: list[int]) -> list[int]:
         """The fork's last message: the trigger (as `manager.thread.aux_steps` writes it) and the forced opener."""
         from kvsteward.synth.chat import generation_prompt, message_texts
-        from kvsteward.synth.hindsight import delete_trigger
+        from kvsteward.synth.traces.hindsight import delete_trigger
 
         tok = self.tokenizer
         history = messages + [{"role": "user", "content": delete_trigger(open_cursors, messages,
