@@ -31,6 +31,8 @@ app.add_typer(cli_eval.app, name="eval", help="Long-session benchmark and learne
 app.add_typer(cli_serve.app, name="serve", help="Serve over HTTP: OpenAI-compatible + AKV cache ops + sessions.")
 app.add_typer(cli_pipeline.app, name="pipeline", help="The end-to-end pipeline, cached by input hash and resumable.")
 app.add_typer(cli_results.app, name="results", help="The headline results: docs/results/*/result.json → summary.json.")
+app.command("report", help="RUN_DIR/report.html + PNGs for a pipeline run folder, logged to its MLflow run.")(
+    cli_pipeline.report_command)
 
 
 def main() -> None:

@@ -63,6 +63,11 @@ class PipelineConfig:
     bench_distances: str = "512,3000"
     bench_sessions: int = 1
     bench_arms: str = "h2o,pace"
+    engine_tokens: int = 2048  # `steward engine check`'s budget run length (0: no engine self-check stage)
+    residency_arms: str = "full,h2o,pace"  # resident KV vs session length, per arm ("" : no residency stage)
+    residency_length: int = 0  # the session the residency stage traces (0: --bench-length)
+    serve_check: bool = True  # one OpenAI-client round trip through `steward serve` (a turn, a drop, a reposition)
+    manager_arms: str = ""  # `steward eval manager --arms` ("" : the command's default set)
     budget: int = 512
     chunk: int = 256
     limit: int = 1024
@@ -145,10 +150,11 @@ def _manager_stage(cfg: PipelineConfig, name: str, upstream: list[str], which: d
                    test_args: Callable[[dict[str, Path]], list[str]]) -> Stage:
     """One test set of `steward eval manager`: every arm on the same traces (the adapter as calibrated)."""
     params = {"traces": cfg.manager_traces, "every": cfg.every, "model": cfg.model, "attention_fit": cfg.attention_fit,
-              **which}
+              **which, **({"arms": cfg.manager_arms} if cfg.manager_arms else {})}
     return Stage(name, params, upstream, lambda out, up: [
         "eval", "manager", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
-        str(up["hindsight"] / "ds"), *test_args(up), "--every", str(cfg.every), "--limit", str(cfg.manager_traces),
+        str(up["hindsight"] / "ds"), *test_args(up), *(["--arms", cfg.manager_arms] if cfg.manager_arms else []),
+        "--every", str(cfg.every), "--limit", str(cfg.manager_traces),
         "--fit-envs", ",".join(cfg.train_envs()), "--attention-fit", str(cfg.attention_fit), "--workers",
         str(cfg.workers), "--journal", str(out / "traces.jsonl"), "--json"])
 
@@ -168,10 +174,54 @@ def _import_stages(cfg: PipelineConfig) -> list[Stage]:
     return [fresh, export, imported]
 
 
+def _engine_stage(cfg: PipelineConfig) -> Stage:
+    """The engine's exactness self-check first: what every later number stands on."""
+    return Stage("engine", {"check": "demo", "model": cfg.model, "tokens": cfg.engine_tokens, "budget": cfg.budget,
+                            "chunk": cfg.chunk}, [], lambda out, up: [
+        "pipeline", "engine-check", "--model", cfg.model, "--budget", str(cfg.budget), "--chunk", str(cfg.chunk),
+        "--budget-tokens", str(cfg.engine_tokens), "--json"])
+
+
+def _longsession_stage(cfg: PipelineConfig) -> Stage:
+    return Stage("longsession", {"length": cfg.bench_length, "distances": cfg.bench_distances,
+                                 "arms": cfg.bench_arms, "sessions": cfg.bench_sessions, "budget": cfg.budget,
+                                 "chunk": cfg.chunk, "limit": cfg.limit, "model": cfg.model}, [],
+                 lambda out, up: ["eval", "longsession", "--model", cfg.model, "--arms", cfg.bench_arms, "--length",
+                                  str(cfg.bench_length), "--distances", cfg.bench_distances, "--sessions",
+                                  str(cfg.bench_sessions), "--budget", str(cfg.budget), "--chunk", str(cfg.chunk),
+                                  "--limit", str(cfg.limit), "--no-code", "--out", str(out), "--json"])
+
+
+def _residency_stage(cfg: PipelineConfig) -> Stage:
+    """Resident KV after every chunk of the long session's context, per arm: flat under a budget, growing without."""
+    length = cfg.residency_length or cfg.bench_length
+    params = {"arms": cfg.residency_arms, "length": length,
+              "distance": min(_ints(cfg.bench_distances)[-1], length // 2), "budget": cfg.budget, "chunk": cfg.chunk,
+              "limit": cfg.limit, "model": cfg.model}
+    return Stage("residency", params, [], lambda out, up: [
+        "pipeline", "residency", "--model", cfg.model, "--arms", cfg.residency_arms, "--length",
+        str(length), "--distance", str(params["distance"]), "--budget", str(cfg.budget), "--chunk",
+        str(cfg.chunk), "--limit", str(cfg.limit), "--out", str(out / "residency.json")])
+
+
+def _serve_stage(cfg: PipelineConfig) -> Stage:
+    return Stage("serve", {"model": cfg.model}, [], lambda out, up: [
+        "pipeline", "serve-check", "--model", cfg.model, "--out", str(out)])
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def stages(cfg: PipelineConfig) -> list[Stage]:
-    m = cfg.model
+    """In the order they run: the engine self-check, the long-session benchmark (and its residency trace), the
+    manager's synth → train → calibrate → three test sets, then a round trip through the server."""
     train_envs = ",".join(cfg.train_envs())
-    out = [_traces_stage(cfg), _hindsight_stage(cfg), _train_stage(cfg)]
+    out = [_engine_stage(cfg)] if cfg.engine_tokens else []
+    out.append(_longsession_stage(cfg))
+    if cfg.residency_arms:
+        out.append(_residency_stage(cfg))
+    out += [_traces_stage(cfg), _hindsight_stage(cfg), _train_stage(cfg)]
     tested = ["hindsight", "train"]
     if cfg.calibrate_traces:
         out.append(_calibrate_stage(cfg))
@@ -184,14 +234,8 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
     out += _import_stages(cfg)
     out.append(_manager_stage(cfg, "manager_imported", [*tested, "imported"], {"set": "imported"},
                               lambda up: ["--traces", str(up["imported"]), "--split", "all"]))
-    out.append(Stage("longsession", {"length": cfg.bench_length, "distances": cfg.bench_distances,
-                                     "arms": cfg.bench_arms, "sessions": cfg.bench_sessions, "budget": cfg.budget,
-                                     "chunk": cfg.chunk, "limit": cfg.limit, "model": m}, [],
-                     lambda out, up: ["eval", "longsession", "--model", m, "--arms", cfg.bench_arms, "--length",
-                                      str(cfg.bench_length), "--distances", cfg.bench_distances, "--sessions",
-                                      str(cfg.bench_sessions), "--budget", str(cfg.budget), "--chunk",
-                                      str(cfg.chunk), "--limit", str(cfg.limit), "--no-code", "--out", str(out),
-                                      "--json"]))
+    if cfg.serve_check:
+        out.append(_serve_stage(cfg))
     return out
 
 
@@ -210,21 +254,78 @@ def _steward() -> list[str]:
     return [sys.executable, "-m", "kvsteward.pipelines.cli"]
 
 
+# Seconds on 2 idle cores (fp32 SmolLM2, OMP_NUM_THREADS=2): a stage's estimate before it has ever run here. After a
+# run, RUN_ROOT/timings.json holds each stage's measured / modelled ratio, and the next estimate of that stage scales
+# by it (other sizes, another machine).
+LOAD_S = 15.0  # a stage process that loads the model: imports + weights + tokenizer
+
+
+def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
+    p, n_envs = st.params, max(1, len(cfg.env_list()))
+    kt = cfg.bench_length / 1024
+    per_arm = {"full": 6.0 + 0.6 * kt}  # s per 1K tokens of session: full's attention grows with the session
+    if st.name == "engine":
+        return LOAD_S + 20 + 4 * p["tokens"] / 1024
+    if st.name == "longsession":
+        arms = [a for a in p["arms"].split(",") if a]
+        per_session = sum(per_arm.get(a, 5.0) * kt + 4 for a in arms)
+        return LOAD_S + p["sessions"] * len(_ints(p["distances"])) * per_session
+    if st.name == "residency":
+        kr = p["length"] / 1024
+        return LOAD_S + sum((6.0 + 0.6 * kr if a == "full" else 3.0) * kr for a in p["arms"].split(",") if a)
+    if st.name in ("traces", "fresh_traces"):
+        return 4 + 0.02 * p["tasks"] * len(p["envs"].split(","))
+    if st.name == "hindsight":
+        return 12 + 0.05 * cfg.tasks * n_envs
+    if st.name == "train":
+        return LOAD_S + 10 + p["steps"] * p["batch_size"] * 2.2 * (p["max_len"] / 1024) ** 1.2
+    if st.name == "calibrate":
+        return LOAD_S + p["traces"] * 18 * len(p["biases"].split(","))
+    if st.name in ("manager", "heldout", "manager_imported"):
+        return LOAD_S + 10 + p["traces"] * 16
+    if st.name == "serve":
+        return LOAD_S + 25
+    return 5.0
+
+
+TIMINGS = "timings.json"
+
+
+def estimate(st: Stage, cfg: PipelineConfig, history: dict) -> float:
+    """The stage's expected wall time: the cost model, scaled by how it fared against this stage's last run here."""
+    model = _model_estimate(st, cfg)
+    past = history.get(st.name)
+    if past and past.get("model_s", 0) > 0 and past.get("wall_s", 0) > 0:
+        model *= past["wall_s"] / past["model_s"]
+    return model
+
+
+class StageProgress:
+    """What `run_pipeline` reports as stages run (a rich bar in `steward pipeline run`; silent by default)."""
+
+    def start(self, name: str, index: int, total: int, estimate_s: float, log_path: Path | None) -> None: ...
+
+    def finish(self, name: str, wall_s: float, ok: bool) -> None: ...
+
+
 def run_pipeline(cfg: PipelineConfig, root: Path, log: Callable[[str], None] = print, only: set[str] | None = None,
                  mlflow_log: bool = True, stage_list: list[Stage] | None = None,
-                 launcher: list[str] | None = None) -> dict:
+                 launcher: list[str] | None = None, progress: StageProgress | None = None) -> dict:
     """Run (or resume) every stage; returns {stage: {"dir", "hash", "cached", "wall_s", "result"}}.
-    `stage_list` / `launcher` replace the stages / the `steward` launcher (tests)."""
+    `stage_list` / `launcher` replace the stages / the `steward` launcher (tests). With `progress`, a stage's stderr
+    goes to its folder's `stage.log` (the bar shows its last line) instead of this process's stderr. Writes
+    ROOT/pipeline.json (this run's stage folders and MLflow parent run: what `steward report ROOT` reads) and
+    ROOT/timings.json (the next run's estimates)."""
     root.mkdir(parents=True, exist_ok=True)
     hashes: dict[str, str] = {}
     dirs: dict[str, Path] = {}
     summary: dict[str, dict] = {}
+    history = _read_json(root / TIMINGS)
     parent = _start_parent(cfg, root) if mlflow_log else None
     env = {**os.environ, **({PARENT_ENV: parent} if parent else {})}
+    todo = [st for st in (stage_list or stages(cfg)) if not only or st.name in only]
     try:
-        for st in stage_list or stages(cfg):
-            if only and st.name not in only:
-                continue
+        for i, st in enumerate(todo):
             missing = [u for u in st.upstream if u not in dirs]
             if missing:
                 raise RuntimeError(f"stage {st.name} needs {missing}: do not skip them")
@@ -238,25 +339,72 @@ def run_pipeline(cfg: PipelineConfig, root: Path, log: Callable[[str], None] = p
             out.mkdir(parents=True, exist_ok=True)
             args = st.command(out, dirs)
             argv = (launcher or _steward()) + args
-            log(f"stage {st.name}: running: steward {' '.join(args)}")
-            t0 = time.perf_counter()
-            proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+            est = estimate(st, cfg, history)
+            log(f"stage {st.name}: running (estimate {_mmss(est)}): steward {' '.join(args)}")
+            stage_log = out / "stage.log" if progress is not None else None
+            if progress is not None:
+                progress.start(st.name, i, len(todo), est, stage_log)
+            t0, cpu0 = time.perf_counter(), _child_cpu()
+            if stage_log is not None:
+                with open(stage_log, "w") as err:
+                    proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            else:
+                proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True)
+            wall, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
+            if progress is not None:
+                progress.finish(st.name, wall, proc.returncode == 0)
             if proc.returncode != 0:
+                tail = "" if stage_log is None else "\n" + "\n".join(
+                    _clean(stage_log.read_text(errors="replace")).splitlines()[-25:])
                 raise RuntimeError(f"stage {st.name} failed (exit {proc.returncode}); its output folder {out} is "
-                                   "kept, rerun to resume")
+                                   f"kept, rerun to resume{tail}")
             lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
             result = json.loads(lines[-1]) if st.json_output and lines else {}
             record = {"stage": st.name, "dir": str(out), "hash": h, "params": st.params,
-                      "wall_s": time.perf_counter() - t0, "result": result}
+                      "wall_s": wall, "cpu_s": cpu, "estimate_s": est, "result": result}
             tmp = done.with_suffix(".tmp")
             tmp.write_text(json.dumps(record, indent=2))
             tmp.rename(done)  # atomic: a stage is either finished or not
             summary[st.name] = {**record, "cached": False}
+            history[st.name] = {"wall_s": wall, "model_s": _model_estimate(st, cfg)}
+            (root / TIMINGS).write_text(json.dumps(history, indent=1))
             log(f"stage {st.name}: done in {record['wall_s']:.0f}s")
     finally:
         if parent:
             _end_parent(summary)
+        index = {"stages": {n: r["dir"] for n, r in summary.items()}, "mlflow_run_id": parent,
+                 "config": asdict(cfg)}
+        (root / "pipeline.json").write_text(json.dumps(index, indent=1))
     return summary
+
+
+def _child_cpu() -> float:
+    """CPU seconds (user + system) of the finished stage processes so far: with `wall_s`, how contended a stage
+    ran (on 2 idle cores a model stage uses up to ~2 CPU seconds per second)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _mmss(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _clean(text: str) -> str:
+    """A log's text as a reader sees it: carriage-return rewrites resolved, terminal escapes gone."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    return "\n".join(line.split("\r")[-1] for line in text.split("\n"))
 
 
 def _start_parent(cfg: PipelineConfig, root: Path) -> str:

@@ -80,8 +80,8 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
 
     cfg = PipelineConfig(envs="research,ops,support", holdout_env="ops", train_minutes=30, lr=5e-4, pack=True)
     by = {s.name: s for s in stages(cfg)}
-    assert list(by) == ["traces", "hindsight", "train", "calibrate", "manager", "heldout", "fresh_traces",
-                        "exported", "imported", "manager_imported", "longsession"]
+    assert list(by) == ["engine", "longsession", "residency", "traces", "hindsight", "train", "calibrate", "manager",
+                        "heldout", "fresh_traces", "exported", "imported", "manager_imported", "serve"]
     train = tmp_path / "train"
     train.mkdir()
     (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
