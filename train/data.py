@@ -70,6 +70,8 @@ def dataset_trigger(path: str | Path, rows: Dataset | None = None) -> str:
     if rows is not None and "kind" in rows.column_names and "messages" in rows.column_names:
         for kind, messages in zip(rows["kind"], rows["messages"], strict=True):
             msgs = json.loads(messages) if kind == "delete" else []
+            if msgs and msgs[-1].get("role") == "user":  # the scores trigger ends its row (no target turn)
+                return "scores"
             if len(msgs) >= 2:  # (a test dataset of bare token ids keeps no messages)
                 lines = str(msgs[-2].get("content", "")).split("\n")
                 return "notes" if len(lines) > 1 and lines[1].startswith("Task: ") else "ids"

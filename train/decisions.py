@@ -30,6 +30,10 @@ class DecisionRow:
     trigger: list[int]  # fork_at up to the first target token: trigger message + generation prompt (adapter)
     deletable: list[int]  # open cursors the decoder may list (read ones)
     target: frozenset[int]
+    # `scores` rows (no decode): each open cursor's slot in `trigger` (ascending cursor order), where the per-response
+    # decision reads P(no) (`serve.manager.scores`); empty for list-decoder rows
+    open_cursors: tuple[int, ...] = ()
+    slots: tuple[int, ...] = ()
 
 
 def decision_rows(ds: Dataset, tokenizer) -> list[DecisionRow]:
@@ -49,6 +53,17 @@ def decision_rows(ds: Dataset, tokenizer) -> list[DecisionRow]:
         if r["kind"] != "delete":
             continue
         ids, labels, fork = r["input_ids"], r["labels"], int(r["fork_at"] or 0)
+        unread = row_unread_cursors(r)
+        deletable = [c for c in r["open_cursors"] if c not in unread]
+        target = frozenset(json.loads(r["target"])["del_cursors"])
+        if json.loads(r["messages"])[-1].get("role") == "user":  # a `scores` row: the trigger ends it, no target turn
+            slots = tuple(k - 1 - fork for k, y in enumerate(labels) if y != IGNORE)
+            if not fork or len(slots) != len(r["open_cursors"]) or min(slots, default=0) < 0:
+                raise DataError(f"validation row {i}: a scores row needs one labelled slot per open cursor after "
+                                f"fork_at={fork} (got {len(slots)} for {len(r['open_cursors'])})")
+            out.append(DecisionRow(ids[:fork], ids[fork:], deletable, target, tuple(sorted(r["open_cursors"])),
+                                   slots))
+            continue
         gen = next((k for k, y in enumerate(labels) if y != IGNORE), None)
         if not fork or gen is None or not fork < gen:
             raise DataError(f"validation row {i}: no fork point before its target (fork_at={fork}, first target "
@@ -56,9 +71,7 @@ def decision_rows(ds: Dataset, tokenizer) -> list[DecisionRow]:
         if ids[gen:gen + len(opener)] != opener:
             raise DataError(f"validation row {i}: its target does not start with the serving opener {PREFIX!r} "
                             "(a dataset tokenized for another decoder?)")
-        unread = row_unread_cursors(r)
-        out.append(DecisionRow(ids[:fork], ids[fork:gen], [c for c in r["open_cursors"] if c not in unread],
-                               frozenset(json.loads(r["target"])["del_cursors"])))
+        out.append(DecisionRow(ids[:fork], ids[fork:gen], deletable, target))
     return out
 
 
@@ -72,6 +85,12 @@ def decide(engine, row: DecisionRow, max_tokens: int = 64) -> list[int]:
     main.append(row.context, kind="user", logits=None)
     fork = main.fork(shared=True)
     fork.config.use_adapter = True
+    if row.slots:
+        from kvsteward.serve.manager.scores import DEFAULT_THRESHOLD, needless
+
+        logits = fork.append(row.trigger, kind="user", logits="all")
+        p_no = dict(zip(row.open_cursors, needless(logits, list(row.slots), engine.tokenizer), strict=True))
+        return [c for c in row.deletable if p_no[c] >= DEFAULT_THRESHOLD]
     fork.append(row.trigger, kind="user", logits="last")
     return constrained_del_cursors(fork, engine.tokenizer, row.deletable, max_tokens).del_cursors
 

@@ -1,7 +1,8 @@
 """The learned memory manager as served: the aux thread that reads the session and deletes stale tool responses.
 
-Layers, imported one way (`worker` → `thread` → `planner`, `decode` → the engine):
+Layers, imported one way (`worker` → `thread` → `planner`, `scores`, `decode` → the engine):
 - `decode`: the deletion list's grammar and its decision rules (greedy, close bias, confidence);
+- `scores`: the per-response decision of the `scores` trigger (every open response's P(still needed), one forward);
 - `planner`: `Planning mode`, its grammar and the blueprint it becomes;
 - `thread`: one aux decision on a fork of the main session (`run_aux`, `aux_steps`, `fork_point`);
 - `worker`: the server's background worker and the model lock with priorities (`AuxWorker`, `Scheduler`).

@@ -26,6 +26,7 @@ from kvsteward.serve.manager.decode import (
     _constrained_steps,
     drive,
 )
+from kvsteward.serve.manager.scores import score_steps
 from kvsteward.synth.chat import generation_prompt, message_texts, message_token_ids
 from kvsteward.synth.traces.hindsight import delete_trigger, unread_cursors
 
@@ -75,6 +76,8 @@ def aux_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list
     if fork.engine.aux_context == "first":
         fork = first_message_session(fork, tokenizer, messages)
         yield
+    if fork.engine.trigger_style == "scores":  # one forward scores every open response (`manager.scores`)
+        return (yield from score_steps(fork, tokenizer, messages, open_cursors, deletable, min_confidence))
     text = delete_trigger(open_cursors, messages, fork.engine.trigger_style)  # the adapter's training layout
     history = messages + [{"role": "user", "content": text}]
     trigger_text = message_texts(tokenizer, history)[-1] + generation_prompt(tokenizer, history)

@@ -130,6 +130,9 @@ class SglangManager:
 
         if self.min_confidence is not None:
             check_min_confidence(self.min_confidence)
+        if self.trigger_style == "scores":
+            raise ValueError("an adapter trained on the scores trigger (per-response decisions) is served by the "
+                             "engine (`steward serve --aux`); the SGLang aux fork decodes deletion lists only")
         eos = self.tokenizer.eos_token_id
         self._eos = int(eos[0] if isinstance(eos, list) else eos)
 

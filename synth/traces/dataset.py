@@ -23,12 +23,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvsteward.synth.chat import message_texts
 from kvsteward.synth.rng import rng
 from kvsteward.synth.traces import hindsight as hs
 from kvsteward.synth.traces.blueprint import blueprint_from_reads
 from kvsteward.synth.traces.packed import COLUMNS as PACKED_COLUMNS
 from kvsteward.synth.traces.packed import packed_row
-from kvsteward.synth.traces.tokens import PieceTokenizer, offsets
+from kvsteward.synth.traces.tokens import PieceTokenizer, answer_ids, offsets, slot_tokens
 from kvsteward.synth.traces.trace import Trace
 
 SPLITS = ("train", "validation", "test")
@@ -49,6 +50,8 @@ class HindsightConfig:
 
     def validate(self) -> None:
         hs.check_trigger_style(self.trigger)
+        if self.pack and self.trigger == "scores":
+            raise ValueError("--pack writes list-decoder targets: the scores trigger has per-boundary rows only")
         if self.every < 1:
             raise ValueError(f"--every must be >= 1, got {self.every}")
         if not 0 <= self.mask_prob <= 1:
@@ -116,6 +119,12 @@ def aux_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[
 def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.AuxContext) -> list[dict] | None:
     out = []
     for kind, trigger, target in hs.calls(trace, ctx, cfg.plan, cfg.trigger):
+        if kind == "delete" and cfg.trigger == "scores":
+            row = _score_row(trace, ptok, cfg, ctx, trigger, target)
+            if row is None:
+                return None
+            out.append(row)
+            continue
         msgs = hs.with_trigger(ctx, trigger, target)
         ids, labels, starts = ptok.tokenize(msgs, {len(msgs) - 1})
         if len(ids) > cfg.max_tokens:
@@ -123,6 +132,25 @@ def _aux_at(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.Au
         out.append(_row(trace, kind, ctx.boundary, ids, labels, msgs, open_cursors=ctx.open_cursors,
                         masked_cursors=ctx.masked, target=hs.target_text(target), fork_at=starts[-2]))
     return out
+
+
+def _score_row(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig, ctx: hs.AuxContext, trigger: str,
+               target: dict) -> dict | None:
+    """A `scores` deletion row: the context and the trigger message, no assistant turn; at the token after each open
+    cursor's slot the label is the answer (" no" for an expired cursor, " yes" otherwise), so the loss trains the
+    next-token logits at the slot, where the serving fork reads them (`serve.manager.scores`)."""
+    msgs = ctx.messages + [{"role": "user", "content": trigger}]
+    ids, labels, starts = ptok.tokenize(msgs, set())
+    if len(ids) > cfg.max_tokens:
+        return None
+    text = message_texts(ptok.tokenizer, msgs)[-1]
+    slots = slot_tokens(ptok.encode(text)[1], hs.score_slot_ends(text, ctx.open_cursors))
+    yes, no = answer_ids(ptok.tokenizer, hs.ANSWERS)
+    gone = set(target["del_cursors"])
+    for c, k in zip(sorted(ctx.open_cursors), slots, strict=True):
+        labels[starts[-1] + k + 1] = no if c in gone else yes
+    return _row(trace, "delete", ctx.boundary, ids, labels, msgs, open_cursors=ctx.open_cursors,
+                masked_cursors=ctx.masked, target=hs.target_text(target), fork_at=starts[-1])
 
 
 def pack_rows(trace: Trace, ptok: PieceTokenizer, cfg: HindsightConfig) -> tuple[list[dict], int]:

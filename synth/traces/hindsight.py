@@ -28,7 +28,7 @@ PLAN_TRIGGER = "Planning mode"
 
 # The deletion trigger's layouts (`delete_trigger`): the dataset records the one its rows use, the adapter the one it
 # was trained on, and the serving fork writes that one.
-TRIGGER_STYLES = ("ids", "notes")
+TRIGGER_STYLES = ("ids", "notes", "scores")
 NOTE_WORDS = 20  # a reader note's length cap: the statement and what follows it ("Now the other side ...") fit
 
 
@@ -61,7 +61,11 @@ def delete_trigger(open_cursors: list[int], messages: list[dict] | None = None, 
     as the base model wrote them, so linking the two is a multi-hop search; beside the id it is a local pattern.
     `messages` (needed for `notes`): the context, indexed as the cursor ids are (dropped messages included)."""
     ids = ", ".join(str(c) for c in sorted(open_cursors)) or "none"
-    if check_trigger_style(style) == "ids":
+    if check_trigger_style(style) == "scores":
+        if messages is None:
+            raise ValueError("the scores trigger needs the context's messages")
+        return score_trigger(open_cursors, messages)
+    if style == "ids":
         return f"{DELETE_TRIGGER}\nOpen cursors: {ids}"
     if messages is None:
         raise ValueError("the notes trigger needs the context's messages")
@@ -69,6 +73,74 @@ def delete_trigger(open_cursors: list[int], messages: list[dict] | None = None, 
     notes = cursor_notes(messages, open_cursors)
     return "\n".join([DELETE_TRIGGER, f"Task: {task}", f"Open cursors: {ids}"] +
                       [f"{c}: {notes[c]}" for c in sorted(open_cursors)])
+
+
+# The `scores` trigger (a per-response decision in one forward): one line per open response, a header the harness
+# takes from the response itself (the call that produced it, its first line; never a label), ending in SLOT_MARK.
+# The model's next-token logits at each mark's last token, restricted to ANSWERS (still needed: " yes" / " no"), are
+# that response's score; the rows train them with CE there (`synth.traces.dataset`), the fork reads them
+# (`serve.manager.scores`). The answers are never written into the context: training and serving see the same text.
+SLOT_MARK = " still needed?"
+ANSWERS = (" yes", " no")
+HEADER_WORDS = 16  # a header's first-line cap; a call's arguments are capped at the same number of words
+SCORE_QUESTION = "For each open response: is it still needed for the task?"
+
+
+def producing_call(messages: list[dict], c: int) -> str:
+    """`name(arguments)` of the call whose response is tool message c (the k-th tool message after an assistant
+    message answers its k-th call); "" when none is found (an imported trace without calls)."""
+    from kvsteward.synth.traces.toolcall import parse_tool_calls
+
+    j = c
+    while j > 0 and messages[j - 1].get("role") == "tool":
+        j -= 1
+    if j == 0 or messages[j - 1].get("role") != "assistant":
+        return ""
+    try:
+        _, calls = parse_tool_calls(messages[j - 1].get("content") or "")
+    except ValueError:
+        return ""
+    if c - j >= len(calls):
+        return ""
+    call = calls[c - j]
+    args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in (call.get("arguments") or {}).items())
+    return f"{call['name']}({' '.join(args.split()[:HEADER_WORDS])})"
+
+
+def response_header(messages: list[dict], c: int) -> str:
+    """What the `scores` trigger shows of open response c: its call and the first line of its body."""
+    from kvsteward.synth.traces.toolcall import cursor_body
+
+    body = cursor_body(messages[c].get("content") or "").strip()
+    first = " ".join(body.split("\n", 1)[0].split()[:HEADER_WORDS]) if body else "(empty)"
+    call = producing_call(messages, c)
+    return f"{call} -> {first}" if call else first
+
+
+def score_trigger(open_cursors: list[int], messages: list[dict]) -> str:
+    """The `scores` trigger: the phrase, the task, the question, then `[c] header | still needed?` per open cursor
+    (ascending), one per line. `score_slot_ends` finds the marks again."""
+    task = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    lines = [DELETE_TRIGGER, f"Task: {task}", SCORE_QUESTION]
+    lines += [f"[{c}] {response_header(messages, c)} |{SLOT_MARK}" for c in sorted(open_cursors)]
+    return "\n".join(lines)
+
+
+def score_slot_ends(text: str, open_cursors: list[int]) -> list[int]:
+    """Character offsets (in `text`, any text that contains the trigger once) just past each open cursor's SLOT_MARK,
+    in ascending cursor order. Raises when a mark is missing (a trigger of another layout)."""
+    start = text.find(DELETE_TRIGGER)
+    out = []
+    for c in sorted(open_cursors):
+        line = text.find(f"\n[{c}] ", start)
+        end = text.find(SLOT_MARK + "\n", line) if line >= 0 else -1
+        last = text.find(SLOT_MARK, line) if line >= 0 else -1
+        at = end if end >= 0 else last
+        if line < 0 or at < 0:
+            raise ValueError(f"no score slot for cursor {c} in the trigger (not a 'scores' trigger?)")
+        out.append(at + len(SLOT_MARK))
+        start = at
+    return out
 
 
 def cursor_notes(messages: list[dict], open_cursors: list[int]) -> dict[int, str]:

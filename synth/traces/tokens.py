@@ -48,6 +48,30 @@ class PieceTokenizer:
         return lo, len(text.rstrip())
 
 
+def slot_tokens(offsets: list[tuple[int, int]], char_ends: list[int]) -> list[int]:
+    """The token index holding the character just before each of `char_ends` (a score slot's last character, e.g.
+    the `?` of `hindsight.SLOT_MARK`) in a text tokenized with these offsets: where the next-token logits are read."""
+    out = []
+    for e in char_ends:
+        hit = next((i for i, (a, b) in enumerate(offsets) if a < e <= b), None)
+        if hit is None:
+            raise ValueError(f"no token covers character {e - 1} of the trigger")
+        out.append(hit)
+    return out
+
+
+def answer_ids(tokenizer, answers: tuple[str, ...]) -> tuple[int, ...]:
+    """Each answer's token id; refused when an answer is not one token of this tokenizer (its score would need a
+    decode, not one logit)."""
+    out = []
+    for a in answers:
+        ids = tokenizer.encode(a, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"answer {a!r} is {len(ids)} tokens for this tokenizer; the scores trigger needs one each")
+        out.append(ids[0])
+    return tuple(out)
+
+
 def offsets(pieces: list[list[int]]) -> list[int]:
     """Start token of each piece plus the total length at the end."""
     out = [0]
