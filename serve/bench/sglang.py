@@ -321,48 +321,331 @@ def run_pass(url: str, sessions: list[AgentSession], turns: int, max_new_tokens:
     return result
 
 
+ARMS = ("default", "kvsteward_nofree", "kvsteward", "kvsteward_aux")
+AUX_TRIGGER = "Memory management mode"
+
+
+@dataclass
+class ReplaySession:
+    """A fixed conversation replayed turn by turn, teacher-forced, so that every arm sends the same prompts.
+    `pieces` = [(role, token ids)] as the chat template writes each message; `prompt` = the generation prompt ids.
+    Each request ends with `prompt` where the conversation's next assistant message starts; the server generates
+    (its tokens are measured, then discarded) and the request's last message becomes the conversation's own
+    assistant message. After each assistant message, tool responses older than the last `keep` are dropped (AKV's
+    rolling rule), every `reposition_every`-th drop also repositions (`ops=False`: never)."""
+
+    pieces: list[tuple[str, list[int]]]
+    prompt: list[int]
+    keep: int = 2
+    reposition_every: int = 2
+    ops: bool = True
+    max_turns: int | None = None
+    messages: list[list[int]] = field(default_factory=list)
+    cache: dict = field(default_factory=lambda: {"drop": {}, "reposition": []})
+    tools: list[int] = field(default_factory=list)
+    pos: int = 0
+    turn: int = 0
+    drops: int = 0
+
+    def turns(self) -> int:
+        n = sum(1 for role, _ in self.pieces[1:] if role == "assistant")
+        return min(n, self.max_turns) if self.max_turns else n
+
+    def done(self) -> bool:
+        return self.turn >= self.turns()
+
+    def request(self) -> tuple[list[list[int]], dict]:
+        if self.messages and self.ops and len(self.tools) > self.keep:
+            gone, self.tools = self.tools[: -self.keep], self.tools[-self.keep:]
+            self.cache["drop"][str(len(self.messages) - 1)] = gone
+            self.drops += 1
+            if self.reposition_every and self.drops % self.reposition_every == 0:
+                self.cache["reposition"].append(len(self.messages) - 1)
+        while self.pos < len(self.pieces) and (self.pieces[self.pos][0] != "assistant" or self.pos == 0):
+            role, ids = self.pieces[self.pos]
+            if role == "tool":
+                self.tools.append(len(self.messages))
+            self.messages.append(list(ids))
+            self.pos += 1
+        self.messages.append(list(self.prompt))
+        return [list(m) for m in self.messages], {"drop": dict(self.cache["drop"]),
+                                                  "reposition": list(self.cache["reposition"])}
+
+    def reply(self, _output_ids=None) -> None:
+        self.messages[-1] = list(self.pieces[self.pos][1])  # teacher-forced: the conversation's own message
+        self.pos += 1
+        self.turn += 1
+
+    def drops_next(self) -> bool:
+        return bool(self.messages) and self.ops and len(self.tools) > self.keep
+
+    def seal(self) -> tuple[list[list[int]], dict]:
+        return [list(m) for m in self.messages], {"drop": dict(self.cache["drop"]),
+                                                  "reposition": list(self.cache["reposition"])}
+
+
+def synthetic_conversations(tokenizer, n: int, turns: int, tool_words: int = 60, reply_words: int = 12,
+                            seed: int = 0) -> list[list[dict]]:
+    """`n` support-agent conversations: a system prompt, a task, then per turn a tool response tagged `[cursor N]`
+    with `tool_words` words of synthetic output and an assistant reply of `reply_words` words."""
+    import random
+
+    words = ["ticket", "order", "status", "owner", "printer", "shipped", "refund", "team", "queue", "error", "log",
+             "service", "region", "pending", "closed", "priority", "customer", "invoice", "note", "update"]
+    out = []
+    for k in range(n):
+        rng = random.Random(seed * 1000 + k)
+
+        def text(m: int, rng: random.Random = rng) -> str:
+            return " ".join(rng.choice(words) for _ in range(m))
+
+        msgs = [{"role": "system", "content": "You are a support agent. Use the tools; answer briefly."},
+                {"role": "user", "content": f"Session {k}: find who owns ticket {rng.randint(1, 999)}. {text(12)}"}]
+        for _ in range(turns):
+            msgs.append({"role": "tool", "content": f"[cursor {len(msgs)}] {text(tool_words)}"})
+            msgs.append({"role": "assistant", "content": text(reply_words)})
+        out.append(msgs)
+    return out
+
+
+def workload_sessions(tokenizer, workload: str, n: int, turns: int, keep: int, reposition_every: int,
+                      tool_words: int = 60, ops: bool = True) -> list[ReplaySession]:
+    """The sessions of a workload: `bfcl` (BFCL v4 multi-turn `base` conversations with their executed ground-truth
+    calls and real tool responses, `kvsteward.synth.traces.bfcl`) or `synthetic`; at most `turns` assistant turns
+    each."""
+    from kvsteward.synth.chat import generation_prompt, message_token_ids
+
+    if workload == "bfcl":
+        from kvsteward.synth.traces.bfcl import bfcl_sessions
+
+        convs = bfcl_sessions(["base"], n, form="trace")
+    elif workload == "synthetic":
+        convs = synthetic_conversations(tokenizer, n, turns, tool_words)
+    else:
+        raise ValueError(f"unknown workload {workload!r} (bfcl | synthetic)")
+    prompt = tokenizer.encode(generation_prompt(tokenizer, [{"role": "user", "content": "x"}]),
+                              add_special_tokens=False)
+    out = []
+    for msgs in convs[:n]:
+        msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in msgs]
+        pieces = list(zip([m["role"] for m in msgs], message_token_ids(tokenizer, msgs), strict=True))
+        out.append(ReplaySession(pieces, prompt, keep=keep, reposition_every=reposition_every, ops=ops,
+                                 max_turns=turns))
+    return out
+
+
+def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: str, aux_trigger: list[int],
+             aux_tokens: int = 8, metrics: bool = True, poll_s: float = 0.25) -> dict:
+    """Every session's turns, sessions concurrently (one thread each), with `/v1/loads` and `/metrics` polled.
+    kvsteward arms send the op history (compact form) and seal the state before each drop; `kvsteward_aux` also
+    sends an aux fork (the history + the trigger, `aux_tokens` generated) before each drop (SideQuest's pattern; no
+    adapter here: the fork is an ordinary request on the pre-op state, its decision not applied); `default` sends the
+    same physical `input_ids` without ops. Latency of a turn includes its seal and fork."""
+    import requests
+
+    from kvsteward.serve.sglang import aux
+    from kvsteward.serve.sglang.ops import SglangHistory, request_fields
+
+    kv = arm != "default"
+    lock = threading.Lock()
+    acc = {"latencies": [], "output_tokens": 0, "prompt_tokens": 0, "computed": 0, "seals": 0, "forks": 0}
+    errors: list[BaseException] = []
+
+    def post(body: dict, n: int) -> dict:
+        body.setdefault("sampling_params", {}).update({"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
+        r = requests.post(f"{url}/generate", json=body, timeout=3600)
+        r.raise_for_status()
+        out = r.json()
+        meta = out["meta_info"]
+        with lock:
+            acc["prompt_tokens"] += int(meta.get("prompt_tokens", 0))
+            acc["computed"] += int(meta.get("prompt_tokens", 0)) - int(meta.get("cached_tokens", 0))
+        return out
+
+    def play(s: ReplaySession) -> None:
+        history = SglangHistory()
+        try:
+            while not s.done():
+                t0 = time.perf_counter()
+                if kv and s.drops_next():  # the state the drop follows must be cached whole
+                    post(history.fields(*s.seal()), 1)
+                    with lock:
+                        acc["seals"] += 1
+                    if arm == "kvsteward_aux":
+                        messages, cache = s.seal()
+                        post(aux.fork_request(messages, cache, aux_trigger), aux_tokens)
+                        with lock:
+                            acc["forks"] += 1
+                messages, cache = s.request()
+                body = history.fields(messages, cache if s.ops else None) if kv else \
+                    {"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]}
+                out = post(body, max_new_tokens)
+                dt = time.perf_counter() - t0
+                s.reply(out["output_ids"])
+                with lock:
+                    acc["latencies"].append(dt)
+                    acc["output_tokens"] += len(out["output_ids"])
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            errors.append(e)
+
+    m0 = prometheus_values(requests.get(f"{url}/metrics", timeout=10).text) if metrics else {}
+    with LoadPoller(url, interval=poll_s, metrics=metrics) as loads:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=play, args=(s,)) for s in sessions]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    m1 = prometheus_values(requests.get(f"{url}/metrics", timeout=10).text) if metrics else {}
+
+    def delta(name: str) -> float:
+        return m1.get(name, 0.0) - m0.get(name, 0.0)
+
+    lat = sorted(acc["latencies"])
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))] if lat else 0.0
+
+    queued = delta("sglang:queue_time_seconds_count")
+    return {"requests": len(lat), "wall_s": wall, "requests_per_s": len(lat) / wall if wall else 0.0,
+            "output_tok_s": acc["output_tokens"] / wall if wall else 0.0, "output_tokens": acc["output_tokens"],
+            "p50_s": pct(0.5), "p95_s": pct(0.95), "mean_s": statistics.fmean(lat) if lat else 0.0,
+            "running_peak": loads.peak_running, "running_mean": loads.mean_running,
+            "waiting_peak": loads.peak_waiting,
+            "queue_time_mean_s": delta("sglang:queue_time_seconds_sum") / queued if queued else 0.0,
+            "prompt_tokens": acc["prompt_tokens"], "prompt_tokens_computed": acc["computed"],
+            "seal_requests": acc["seals"], "fork_requests": acc["forks"],
+            "peak_kv_used": loads.peak_used, "mean_kv_used": loads.mean_used,
+            "peak_kv_allocated": loads.peak_allocated, "load_samples": loads.samples}
+
+
 def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8, max_new_tokens: int = 16,
                  keep: int = 2, reposition_every: int = 2, tool_words: int = 60, max_total_tokens: int = 16384,
                  dtype: str = "float32", port: int | None = None, threads: int = 2,
-                 progress: Progress | None = None, log_dir: str | None = None) -> dict:
-    """The benchmark's JSON: {"default": {...}, "kvsteward": {...}, "no_op_overhead": float, ...}."""
+                 progress: Progress | None = None, log_dir: str | None = None, workload: str = "synthetic",
+                 repeats: int = 3, arms: tuple[str, ...] = ARMS, sessions: int | None = None, aux_tokens: int = 8,
+                 no_op: bool = True, no_op_sessions: int = 2, poll_s: float = 0.25) -> dict:
+    """The benchmark's JSON: {"default": {...}, "kvsteward": {...}, "kvsteward_nofree": {...}, "kvsteward_aux":
+    {...}, "no_op_overhead": float, "repeats": {arm: [...]}, "workload": {...}}.
+
+    Arms (one server at a time, on the same `--max-total-tokens` pool): `default` (sglang's radix cache),
+    `kvsteward_nofree` (the tree before issue 43: KVSTEWARD_FREE=off), `kvsteward` (dead KV freed: lazy),
+    `kvsteward_aux` (freeing + an aux fork before each drop). `repeats` rounds, the arm order reversed every other
+    round; each server gets a warm-up through the op path first (one short session with drops). Per arm: the mean
+    over rounds of each number (per-round values under "repeats"); `reprefills` etc. from the tree's stats line.
+    `no_op_overhead`: mean turn latency of op-free sessions on the kvsteward server / on the default one (each
+    round, after the timed pass, `no_op_sessions` synthetic sessions of 3 turns)."""
+    import os
     from pathlib import Path
 
     from kvsteward.serve.server.testing import free_port
     from kvsteward.serve.sglang.launch import SglangServer, server_command
 
     port = port or free_port()
+    n = sessions or concurrency
+    trigger = tokenizer.encode(AUX_TRIGGER, add_special_tokens=False)
 
-    def sessions(ops: bool) -> list[AgentSession]:
-        out = []
-        for k in range(concurrency):
-            make, closing = token_maker(tokenizer, seed=k, tool_words=tool_words)
-            out.append(AgentSession(make, keep=keep, reposition_every=reposition_every, ops=ops, closing=closing))
-        return out
+    def make(ops: bool = True, k: int = n, t: int = turns, wl: str = workload) -> list[ReplaySession]:
+        return workload_sessions(tokenizer, wl, k, t, keep, reposition_every, tool_words, ops=ops)
 
-    passes: dict[str, dict] = {}
-    for name, kv in (("default", False), ("kvsteward", True)):
-        cmd = server_command(model_dir, port, kvsteward=kv, dtype=dtype, max_total_tokens=max_total_tokens,
-                             max_running_requests=max(8, concurrency))
-        log = Path(log_dir) / f"sglang-{name}.log" if log_dir else None
-        with SglangServer(cmd, port, log=log, threads=threads) as url:
+    rounds: dict[str, list[dict]] = {a: [] for a in arms}
+    no_ops: dict[str, list[float]] = {"default": [], "kvsteward": []}
+    for r in range(repeats):
+        order = list(arms) if r % 2 == 0 else list(reversed(arms))
+        for arm in order:
+            cmd = server_command(model_dir, port, kvsteward=arm != "default", dtype=dtype,
+                                 max_total_tokens=max_total_tokens, max_running_requests=max(8, concurrency),
+                                 context_length=8192, extra=("--enable-metrics",))
+            log = Path(log_dir) / f"sglang-{arm}-{r}.log" if log_dir else Path(
+                os.environ.get("TMPDIR", "/tmp")) / f"kvsteward-bench-{os.getpid()}-{arm}-{r}.log"
+            env = {"KVSTEWARD_FREE": "off" if arm == "kvsteward_nofree" else "lazy"}
+            with SglangServer(cmd, port, log=log, threads=threads, env=env) as url:
+                if progress:
+                    progress(f"round {r + 1}/{repeats}: {arm} server up")
+                # warm-up through the op path (drops, a seal, a reposition): first-request costs out of the timing
+                play_arm(url, workload_sessions(tokenizer, "synthetic", 1, 3, 1, 2, 20), 2, arm, trigger, 2,
+                         poll_s=poll_s)
+                before = tree_stats(log.read_text(errors="replace"))
+                retracted = retractions(log.read_text(errors="replace"))
+                res = play_arm(url, make(), max_new_tokens, arm, trigger, aux_tokens, poll_s=poll_s)
+                text = log.read_text(errors="replace")
+                after = tree_stats(text)
+                res["retractions"] = retractions(text) - retracted
+                for key in ("reprefill", "compactions", "freed", "forks", "refused", "compacted_miss", "pinned",
+                            "op_nodes"):
+                    if key in after:
+                        res["tree_" + key] = after[key] - (before.get(key, 0) if key != "op_nodes" else 0)
+                res["reprefills"] = res.get("tree_reprefill", 0)
+                res["strict_check_failures"] = text.count("Mem Leak") + text.count("double free") + \
+                    text.count("use-after-free")
+                if no_op and arm in no_ops:
+                    op_free = workload_sessions(tokenizer, "synthetic", no_op_sessions, 3, keep, 0, tool_words,
+                                                ops=False)
+                    no_ops[arm].append(play_arm(url, op_free, max_new_tokens, arm, trigger, poll_s=poll_s)["mean_s"])
+            rounds[arm].append(res)
             if progress:
-                progress(f"{name} server up")
-            run_pass(url, sessions(True)[:1], 1, 1, kv)  # warm-up: first-request costs out of the timing
-            passes[name] = run_pass(url, sessions(True), turns, max_new_tokens, kv, progress).summary()
-            passes[f"{name}_no_ops"] = run_pass(url, sessions(False), turns, max_new_tokens, kv, progress).summary()
-    d, k = passes["default"], passes["kvsteward"]
-    return {
-        "default": d, "kvsteward": k,
-        "no_op_overhead": passes["kvsteward_no_ops"]["latency_mean_s"] / passes["default_no_ops"]["latency_mean_s"],
-        "no_ops": {"default": passes["default_no_ops"], "kvsteward": passes["kvsteward_no_ops"]},
-        "speedup": {"output_tokens_per_s": k["output_tokens_per_s"] / d["output_tokens_per_s"],
-                    "latency_p95": d["latency_p95_s"] / k["latency_p95_s"] if k["latency_p95_s"] else 0.0},
-        "workload": {"model": model_dir, "concurrency": concurrency, "turns": turns,
-                     "max_new_tokens": max_new_tokens, "keep_tool_responses": keep,
-                     "reposition_every_nth_drop": reposition_every, "tool_words": tool_words, "dtype": dtype,
-                     "max_total_tokens": max_total_tokens, "server_threads": threads},
-    }
+                progress(f"round {r + 1}: {arm}: {res['output_tok_s']:.1f} output tok/s, p95 {res['p95_s']:.2f} s, "
+                         f"{res['retractions']} retractions, peak used {res['peak_kv_used']}, "
+                         f"re-prefills {res['reprefills']}")
+
+    def mean(xs: list[dict]) -> dict:
+        keys = [k for k, v in xs[0].items() if isinstance(v, int | float)]
+        return {k: statistics.fmean(x[k] for x in xs) for k in keys}
+
+    out: dict = {arm: mean(rounds[arm]) for arm in arms if rounds[arm]}
+    if no_ops["default"] and no_ops["kvsteward"]:
+        out["no_op_overhead"] = statistics.fmean(no_ops["kvsteward"]) / statistics.fmean(no_ops["default"])
+    if "default" in out and "kvsteward" in out and out["default"]["output_tok_s"]:
+        out["kvsteward_vs_default_output_tok_s"] = out["kvsteward"]["output_tok_s"] / out["default"]["output_tok_s"]
+    out["repeats"] = rounds
+    out["no_op_mean_latency_s"] = no_ops
+    out["workload"] = {"model": model_dir, "workload": workload, "sessions": n, "concurrency": n,
+                       "turns": turns, "max_new_tokens": max_new_tokens, "keep_tool_responses": keep,
+                       "reposition_every_nth_drop": reposition_every, "tool_words": tool_words, "dtype": dtype,
+                       "max_total_tokens": max_total_tokens, "server_threads": threads, "repeats": repeats,
+                       "arms": list(arms), "aux_tokens": aux_tokens, "teacher_forced": True}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kvsteward.serve.bench.sglang --workload bfcl ...` (the arguments of `steward bench sglang`)."""
+    import argparse
+    import json
+
+    from kvsteward import models
+
+    p = argparse.ArgumentParser(description=bench_sglang.__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--workload", default="synthetic", choices=["synthetic", "bfcl"])
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--reposition-every", type=int, default=2)
+    p.add_argument("--tool-words", type=int, default=60)
+    p.add_argument("--max-total-tokens", type=int, default=16384)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--aux-tokens", type=int, default=8)
+    p.add_argument("--no-op", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-dir", default="")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    folder = models.resolve(a.model)
+    tok = models.load_tokenizer(a.model)
+    result = bench_sglang(folder, tok, concurrency=a.concurrency, turns=a.turns, max_new_tokens=a.max_new_tokens,
+                          keep=a.keep, reposition_every=a.reposition_every, tool_words=a.tool_words,
+                          max_total_tokens=a.max_total_tokens, dtype=a.dtype, threads=a.threads,
+                          log_dir=a.log_dir or None, workload=a.workload, repeats=a.repeats,
+                          arms=tuple(a.arms.split(",")), aux_tokens=a.aux_tokens, no_op=a.no_op,
+                          progress=lambda m: print(m, file=__import__("sys").stderr, flush=True))
+    result["workload"]["model"] = a.model
+    print(json.dumps(result, indent=None if a.json else 2))
 
 
 def match_prefix_scaling(message_counts: tuple[int, ...] = (8, 32, 128), message_len: int = 32, keep: int = 2,
@@ -486,3 +769,7 @@ def match_prefix_scaling(message_counts: tuple[int, ...] = (8, 32, 128), message
         if progress:
             progress(f"match_prefix at {row['messages']} messages: {row}")
     return {"rows": rows_out, "message_len": message_len, "keep": keep, "repeats": repeats}
+
+
+if __name__ == "__main__":
+    main()
