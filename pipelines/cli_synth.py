@@ -147,8 +147,9 @@ def hindsight(
     seed: int = typer.Option(0, help="seed of the pre-masking draw"),
     pack: bool = typer.Option(False, help="one packed row per trace (the trace plus every call, with the serving "
                                           "engine's positions and deletion history) instead of main/delete/plan rows"),
-    trigger: str = typer.Option("ids", help="deletion trigger layout: ids (phrase + open cursor ids) or notes (+ the "
-                                "task and each cursor's reader note; see docs/synth.md)"),
+    trigger: str = typer.Option("ids", help="deletion trigger layout: ids (phrase + open cursor ids), notes (+ the "
+                                "task and each cursor's reader note) or scores (the task and one header line per open "
+                                "response, each decided at its own slot in one forward; see docs/training.md)"),
     audit: bool = typer.Option(True, "--audit/--no-audit", help="run the shortcut audit at the end (`steward synth "
                                "audit`) when the train and validation splits have deletion decisions"),
     as_json: bool = typer.Option(False, "--json", help="print the card statistics as JSON"),

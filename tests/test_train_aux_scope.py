@@ -278,6 +278,6 @@ def test_train_on_first_message_rows_keeps_rows_whose_full_context_is_too_long(t
     # rows with the ids trigger keep the evidence in the context: the cut is refused by name, before any training
     dd, _, _ = build_dataset(generate_traces(20, seed=3), tok, HindsightConfig(every=2, plan=False, trigger="ids"))
     dd.save_to_disk(str(tmp_path / "ids"))
-    with pytest.raises(DataError, match="needs rows with the notes trigger"):
+    with pytest.raises(DataError, match="needs rows with the notes or scores trigger"):
         train_lora(LoraRunConfig(**{**cfg.__dict__, "data": str(tmp_path / "ids"), "out": str(tmp_path / "run2")}))
     assert not (tmp_path / "run2").exists()

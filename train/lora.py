@@ -277,10 +277,10 @@ def train_lora(cfg: LoraRunConfig, log=lambda msg: None) -> LoraRunResult:
     if cfg.aux_context == "first":  # before fit_length: a cut row fits where its full context did not
         from kvsteward.models import load_tokenizer
 
-        if trigger != "notes":  # the ids trigger's evidence is in the context it would cut
-            raise DataError("--aux-context first needs rows with the notes trigger (`steward synth hindsight "
-                            "--trigger notes`): with the ids trigger the evidence for each id is in the context "
-                            "the cut removes")
+        if trigger == "ids":  # the ids trigger's evidence is in the context it would cut
+            raise DataError("--aux-context first needs rows with the notes or scores trigger (`steward synth "
+                            "hindsight --trigger notes|scores`): with the ids trigger the evidence for each id is in "
+                            "the context the cut removes")
         cut_tokenizer = load_tokenizer(cfg.model)
         train = first_message_rows(train, cut_tokenizer)
         cut_val = bool(cfg.eval_rows) and "validation" in splits
