@@ -275,6 +275,7 @@ def _print_summary(summary: dict, root: Path, built: dict | None, total_s: float
         t.add_row("report", _mmss(built.get("wall_s", 0)), "\n".join([str(built["html"]),
                                                                     *map(str, built["figures"].values())]))
     console.print(t)
+    _print_reference()
     if built:
         console.print(f"[bold]report:[/bold] {Path(built['html']).resolve()}  (open it in a browser; the PNGs sit "
                       "beside it)")
@@ -288,6 +289,28 @@ def _print_summary(summary: dict, root: Path, built: dict | None, total_s: float
         console.print(f"  browse: {Path('.venv/bin/mlflow') if Path('.venv/bin/mlflow').exists() else 'mlflow'} ui "
                       f"--backend-store-uri {uri} --port 5000   then open http://127.0.0.1:5000 "
                       "(experiment kvsteward)")
+
+
+def _print_reference() -> None:
+    """The shipped 8K long-session result, said to be shipped: what the demo's short live session cannot show."""
+    from rich.table import Table
+
+    from kvsteward.pipelines import reference
+
+    if not reference.ARTIFACT.is_file():
+        return
+    ref = reference.load()
+    dists = sorted({d for a in ref["arms"].values() for d in a["by_distance"]}, key=int)
+    t = Table(title="long session at 8K, 30 probes per cell: SHIPPED reference, not run by this demo",
+              caption=f"{reference.ARTIFACT.relative_to(reference.HERE.parent)}; reproduce ({ref['wall']}): "
+                      f"{ref['command']}")
+    t.add_column("arm")
+    for d in dists:
+        t.add_column(f"D={d}")
+    for arm, rec in ref["arms"].items():
+        t.add_row(arm, *(f"{rec['by_distance'][d]['forced_acc']:.2f}" if d in rec["by_distance"] else "-"
+                         for d in dists))
+    console.print(t)
 
 
 @app.command()

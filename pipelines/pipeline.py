@@ -257,34 +257,34 @@ def _steward() -> list[str]:
 # Seconds on 2 idle cores (fp32 SmolLM2, OMP_NUM_THREADS=2): a stage's estimate before it has ever run here. After a
 # run, RUN_ROOT/timings.json holds each stage's measured / modelled ratio, and the next estimate of that stage scales
 # by it (other sizes, another machine).
-LOAD_S = 15.0  # a stage process that loads the model: imports + weights + tokenizer
+LOAD_S = 12.0  # a stage process that loads the model: imports + weights + tokenizer
 
 
 def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
     p, n_envs = st.params, max(1, len(cfg.env_list()))
-    kt = cfg.bench_length / 1024
-    per_arm = {"full": 6.0 + 0.6 * kt}  # s per 1K tokens of session: full's attention grows with the session
+    rounds = -(-cfg.manager_traces // max(1, cfg.workers))  # traces each worker plays, one after another
     if st.name == "engine":
-        return LOAD_S + 20 + 4 * p["tokens"] / 1024
+        return LOAD_S + 15 + 6 * p["tokens"] / 1024
     if st.name == "longsession":
+        kt = p["length"] / 1024
         arms = [a for a in p["arms"].split(",") if a]
-        per_session = sum(per_arm.get(a, 5.0) * kt + 4 for a in arms)
-        return LOAD_S + p["sessions"] * len(_ints(p["distances"])) * per_session
+        return LOAD_S + p["sessions"] * len(_ints(p["distances"])) * len(arms) * (8 * kt + 4)
     if st.name == "residency":
-        kr = p["length"] / 1024
-        return LOAD_S + sum((6.0 + 0.6 * kr if a == "full" else 3.0) * kr for a in p["arms"].split(",") if a)
+        return LOAD_S + 7 * p["length"] / 1024 * len([a for a in p["arms"].split(",") if a])
     if st.name in ("traces", "fresh_traces"):
         return 4 + 0.02 * p["tasks"] * len(p["envs"].split(","))
     if st.name == "hindsight":
-        return 12 + 0.05 * cfg.tasks * n_envs
+        return 10 + 0.4 * cfg.tasks * n_envs
     if st.name == "train":
-        return LOAD_S + 10 + p["steps"] * p["batch_size"] * 2.2 * (p["max_len"] / 1024) ** 1.2
+        return LOAD_S + 20 + p["steps"] * p["batch_size"] * 7.0 * (p["max_len"] / 1024) ** 1.2
     if st.name == "calibrate":
-        return LOAD_S + p["traces"] * 18 * len(p["biases"].split(","))
+        per = -(-p["traces"] // max(1, cfg.workers))
+        return LOAD_S + per * 45 * len(p["biases"].split(","))
     if st.name in ("manager", "heldout", "manager_imported"):
-        return LOAD_S + 10 + p["traces"] * 16
+        n_arms = len(cfg.manager_arms.split(",")) if cfg.manager_arms else 8
+        return LOAD_S + 10 + rounds * (12 * (n_arms + 1) + 15)
     if st.name == "serve":
-        return LOAD_S + 25
+        return LOAD_S + 20
     return 5.0
 
 
