@@ -108,3 +108,51 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
         PipelineConfig(envs="research", holdout_env="ops").check()
     with pytest.raises(ValueError, match="no environment left"):
         PipelineConfig(envs="ops", holdout_env="ops").check()
+
+
+def test_the_end_summary_lists_stage_times_outputs_report_and_mlflow(tmp_path, monkeypatch):
+    """What `steward pipeline run` prints last: every stage's wall time and outputs, the report, the MLflow runs and
+    the command that opens the MLflow UI on the store."""
+    from rich.console import Console
+
+    import kvsteward.pipelines.cli_pipeline as cli
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////x/mlflow.db")
+    monkeypatch.setattr(cli, "console", Console(width=200, record=True, file=io.StringIO()))
+    (tmp_path / "serve-1").mkdir()
+    (tmp_path / "serve-1" / "serve.json").write_text("{}")
+    (tmp_path / "pipeline.json").write_text(json.dumps({"mlflow_run_id": "parent123"}))
+    summary = {"serve": {"dir": str(tmp_path / "serve-1"), "cached": False, "wall_s": 75.0, "result": {}},
+               "train": {"dir": str(tmp_path / "train-1"), "cached": True, "wall_s": 130.0,
+                         "result": {"adapter_dir": "/a/adapter", "mlflow_run_id": "train456"}}}
+    built = {"html": tmp_path / "report.html", "figures": {"serving": tmp_path / "serving.png"}, "wall_s": 4.0}
+    cli._print_summary(summary, tmp_path, built, 400.0)
+    text = cli.console.export_text()
+    assert "1m15s" in text and "cached (2m10s when run)" in text and "6m40s" in text
+    assert str(tmp_path / "serve-1" / "serve.json") in text and "/a/adapter" in text
+    assert str(tmp_path / "report.html") in text and "serving.png" in text
+    assert "parent123" in text and "train456" in text
+    assert "ui --backend-store-uri sqlite:////x/mlflow.db" in text
+    assert "SHIPPED reference" in text and "--seed 7" in text
+
+
+def test_estimates_scale_by_the_last_run_of_the_stage(tmp_path):
+    from kvsteward.pipelines.pipeline import _model_estimate, estimate, stages
+
+    cfg = PipelineConfig()
+    (train,) = [s for s in stages(cfg) if s.name == "train"]
+    model = _model_estimate(train, cfg)
+    assert estimate(train, cfg, {}) == model
+    assert estimate(train, cfg, {"train": {"wall_s": 2 * model, "model_s": model}}) == pytest.approx(2 * model)
+
+
+def test_the_bar_shows_a_stages_last_log_line(tmp_path):
+    from kvsteward.pipelines.cli_pipeline import last_line
+
+    log = tmp_path / "stage.log"
+    log.write_text("Loading weights:  50%|##   | 1/2\rLoading weights: 100%|####| 2/2\n"
+                   "[23:10:04] session 1/2 (D=256) full: forced_acc=1.00        runner.py:336\n\n")
+    assert last_line(log, width=200).startswith("session 1/2 (D=256) full: forced_acc=1.00")
+    log.write_text("train \x1b[32m━━━\x1b[0m 3/4 loss=1.6\r")
+    assert last_line(log) == "train ━━━ 3/4 loss=1.6"
+    assert last_line(None) == "" and last_line(tmp_path / "none") == ""
