@@ -333,7 +333,7 @@ def residency(model: str = typer.Option("smollm2"), arms: str = typer.Option("fu
     cfg = RunConfig(arms=tuple(arm_list), budget=budget, chunk=chunk, limit=limit, code=False)
     messages = [m.model_dump() for m in sess.messages]
     ids = message_token_ids(engine.tokenizer, messages)
-    series = {}
+    series, peaks = {}, {}
     for arm in arm_list:
         t0 = time.perf_counter()
         s = _open_session(engine, arm, cfg, sess)
@@ -341,12 +341,12 @@ def residency(model: str = typer.Option("smollm2"), arms: str = typer.Option("fu
         for i, toks in enumerate(ids):
             s.append(toks, kind=messages[i]["role"], logits=None)
             pts.append({"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes()})
-        series[arm] = pts
+        series[arm], peaks[arm] = pts, s.peak_resident
         console.log(f"{arm}: {s.n_logical} tokens, peak resident {s.peak_resident} slots, "
                     f"{pts[-1]['kv_bytes'] / 2**20:.1f} MiB resident ({time.perf_counter() - t0:.0f}s)")
     result = {"session": sess.id, "length": length, "distance": distance, "budget": budget, "chunk": chunk,
               "limit": limit, "series": series,
-              "peak_resident": {a: max(p["resident"] for p in pts) for a, pts in series.items()}}
+              "peak_resident": peaks}  # the engine's peak: inside a chunk, before its eviction (B + H)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result))
     print(json.dumps(result))

@@ -201,11 +201,12 @@ def plot_residency(res: dict, path: Path) -> dict:
     for arm, pts in series.items():
         xs = [p["tokens"] for p in pts]
         ys = [p["kv_bytes"] / 2**20 for p in pts]
-        ax.plot(xs, ys, marker=".", label=f"{arm} (peak {max(p['resident'] for p in pts)} slots)")
+        peak = (res.get("peak_resident") or {}).get(arm, max(p["resident"] for p in pts))
+        ax.plot(xs, ys, marker=".", label=f"{arm} (peak {peak} slots inside a chunk)")
         data[arm] = [{"tokens": p["tokens"], "resident": p["resident"], "kv_mib": p["kv_bytes"] / 2**20}
                      for p in pts]
     ax.set_xlabel("session length (tokens appended)")
-    ax.set_ylabel("resident KV (MiB)")
+    ax.set_ylabel("resident KV after each message (MiB)")
     ax.set_title(f"Resident KV vs session length (B={res.get('budget')}, H={res.get('chunk')}, "
                  f"L={res.get('limit')})", fontsize=10)
     ax.grid(alpha=0.3)
