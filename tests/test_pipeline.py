@@ -156,3 +156,29 @@ def test_the_bar_shows_a_stages_last_log_line(tmp_path):
     log.write_text("train \x1b[32m━━━\x1b[0m 3/4 loss=1.6\r")
     assert last_line(log) == "train ━━━ 3/4 loss=1.6"
     assert last_line(None) == "" and last_line(tmp_path / "none") == ""
+
+
+def test_a_run_reports_progress_and_leaves_its_index_and_timings(tmp_path):
+    """With a progress sink, each stage's stderr goes to its folder's stage.log, the sink sees start (with an
+    estimate) and finish, and the root gets pipeline.json (what `steward report` reads) and timings.json."""
+    from kvsteward.pipelines.pipeline import StageProgress
+
+    seen = []
+
+    class Sink(StageProgress):
+        def start(self, name, index, total, estimate_s, log_path):
+            seen.append(("start", name, index, total, estimate_s > 0, log_path.name))
+
+        def finish(self, name, wall_s, ok):
+            seen.append(("finish", name, ok))
+
+    stages = _stages(1)
+    stages[0].command = lambda out, up: ["-c", "import sys, json; print('working', file=sys.stderr); print('{}')"]
+    summary = run_pipeline(PipelineConfig(), tmp_path, log=lambda m: None, mlflow_log=False, stage_list=stages,
+                           launcher=[sys.executable], progress=Sink())
+    assert seen[:2] == [("start", "a", 0, 3, True, "stage.log"), ("finish", "a", True)] and len(seen) == 6
+    assert (tmp_path / f"a-{summary['a']['hash']}" / "stage.log").read_text() == "working\n"
+    index = json.loads((tmp_path / "pipeline.json").read_text())
+    assert index["stages"] == {n: r["dir"] for n, r in summary.items()}
+    assert set(json.loads((tmp_path / "timings.json").read_text())) == {"a", "b", "c"}
+    assert all(r["cpu_s"] >= 0 for r in summary.values())
