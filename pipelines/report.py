@@ -333,9 +333,12 @@ def build_report(run_dir: Path, mlflow_log: bool = True) -> dict:
     if eng:
         ops = eng.get("op_max_abs_logit_err") or {}
         steps = eng.get("renumber_steps", 500)
+        rerot = eng.get("rerotation_max_abs_err") or {}
         rows = [["generate() equivalence", json.dumps(eng.get("generate_equivalence"))],
                 *[[f"{k} vs the reference replay on transformers' cache, max |Δlogit|", v] for k, v in ops.items()],
-                ["re-rotation max |err| (float64 truth)", json.dumps(eng.get("rerotation_max_abs_err"))],
+                [f"fp32 re-rotation vs the float64 truth, max |err| over {len(rerot)} RoPE types × layouts",
+                 max(rerot.values()) if rerot else None],
+                ["bf16 re-rotation, max error in ulps", eng.get("rerotation_bf16_max_ulp")],
                 [f"{steps} bf16 renumbers from the fp32 reference key, max |err|",
                  eng.get("renumber_max_abs_err", eng.get("renumber_500_max_abs_err"))],
                 [f"{steps} chained bf16 renumbers (what the engine never does), max |err|",
