@@ -226,6 +226,9 @@ def test_a_compacted_state_is_reused_by_its_history_and_a_request_for_a_freed_st
     other = s.run(req([A, B, C, D, E], {"drop": {"2": [1], "3": [2]}}))
     assert s.cache.stats["reprefill"] == 1 and s.cache.stats["compacted_miss"] == 1 and other.prefix_len == 0
     s.check()
+    s.evict_all()  # the compacted state itself evicted (memory pressure): a miss now is an eviction's, as in sglang
+    s.run(req([A, B, C, D, E, TRIG], {"drop": {"2": [1], "3": [0]}}))
+    assert s.cache.stats["reprefill"] == 2 and s.cache.stats["compacted_miss"] == 1
     assert_all_returned(s)
 
 

@@ -182,8 +182,9 @@ class OpRadixCache(RadixCache):
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
             self.stats["reprefill"] += 1
-            if hist.op_chain and (hist.namespace, params.key.cache_salt, hist.op_chain[-1][0]) in self._tombstones:
-                # its last op's state was compacted into a later op's (its dead KV freed): not servable exactly
+            if any((hist.namespace, params.key.cache_salt, chain) in self._tombstones for chain, _, _ in hist.op_chain):
+                # an op state of its history was compacted into a later op's (its dead KV freed), and that later
+                # state is still cached: this history cannot be served exactly
                 self.stats["compacted_miss"] += 1
                 logger.warning("kvsteward: a request continues an op state that was compacted (its dropped KV "
                                "freed): served as plain tokens (re-prefilled, not the engine's state)")
@@ -342,6 +343,8 @@ class OpRadixCache(RadixCache):
                 del self._anchors[key]
             if self._compacted.get(key) is node:
                 del self._compacted[key]
+        for key in getattr(node, "absorbed_keys", ()):  # evicted, not compacted: a miss on them is an eviction's
+            self._tombstones.pop(key, None)
         self._op_set.discard(node)
         removed = node.parent.children.pop(node.op_key, None)
         assert removed is node, f"parent does not hold op node {node.op_key}"
@@ -472,31 +475,37 @@ class OpRadixCache(RadixCache):
         return x is not self.root_node and x.parent is not None and not x.evicted and len(x.children) == 1 \
             and x.lock_ref == child.lock_ref
 
-    def _run_above(self, node: OpNode) -> list[TreeNode]:
-        """The maximal chain of pass-through nodes directly above `node`, bottom up."""
-        run, child, x = [], node, node.parent
-        while x is not None and self._pass_through(x, child):
-            run.append(x)
-            child, x = x, x.parent
-        return run
-
     def _candidates(self) -> tuple[list, int]:
         """Compaction candidates [(op node, its run, run-owned slots, keep mask)] — only the deepest op node of each
         dead chain (a run may hold earlier op nodes, whose own runs it contains) — and the dead slots under a lock
-        (advertised as evictable). Recomputed after any change of the tree or its locks."""
+        (advertised as evictable). Recomputed after any change of the tree or its locks, in time linear in the nodes
+        above op nodes: each op node's segment (the pass-through token nodes up to the next op node) is walked once,
+        and a chain's run is the concatenation of its segments."""
         if self._dead is not None:
             return self._dead
-        runs, inner = {}, set()
+        segments: dict[OpNode, tuple[list[TreeNode], OpNode | None]] = {}
+        inner: set[OpNode] = set()
         for n in self._op_set:
-            if not getattr(n, "anchor_keys", ()):  # unreachable once re-parented: never compacted
-                continue
-            run = self._run_above(n)
-            if run:
-                runs[n] = run
-                inner.update(x for x in run if isinstance(x, OpNode))
+            nodes, child, x, up = [], n, n.parent, None
+            while x is not None and self._pass_through(x, child):
+                if isinstance(x, OpNode):  # a pass-through op node: the chain continues with its own segment
+                    up = x
+                    break
+                nodes.append(x)
+                child, x = x, x.parent
+            segments[n] = (nodes, up)
+            if up is not None and getattr(n, "anchor_keys", ()):
+                inner.add(up)
         cands, locked_dead = [], 0
-        for n, run in runs.items():
-            if n in inner:
+        for n in self._op_set:
+            if n in inner or not getattr(n, "anchor_keys", ()):  # unreachable once re-parented: never compacted
+                continue
+            run, up = list(segments[n][0]), segments[n][1]
+            while up is not None:
+                run.append(up)
+                nodes, up = segments[up]
+                run.extend(nodes)
+            if not run:
                 continue
             owned = torch.cat([x.value.to(torch.int64) for x in run])
             need = torch.cat([n.kv_row, n.origin]).to(owned.device)
@@ -543,9 +552,11 @@ class OpRadixCache(RadixCache):
         top = run[-1]
         parent = top.parent
         freed, moved = owned[~keep], owned[keep]
+        absorbed = list(getattr(node, "absorbed_keys", ()))
         for x in run:
             self.evictable_leaves.discard(x)
             if isinstance(x, OpNode):
+                absorbed += list(getattr(x, "anchor_keys", ())) + list(getattr(x, "absorbed_keys", ()))
                 for key in getattr(x, "anchor_keys", ()):
                     if self._anchors.get(key) is x:
                         del self._anchors[key]
@@ -567,6 +578,7 @@ class OpRadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free(freed.to(self.device))
         node.value = torch.cat([node.value.to(torch.int64), moved.to(node.value.device)])
         node.key = RadixKey(array("q", [-1] * node.value.numel()), extra_key="kvsteward-op")
+        node.absorbed_keys = tuple(absorbed)  # the op states compacted into this one
         for key in node.anchor_keys:
             self._compacted[key] = node
         node.op_key = ("kvsteward-chain", *node.anchor_keys[-1])
