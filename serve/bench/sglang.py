@@ -546,6 +546,8 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
 
     port = port or free_port()
     n = sessions or concurrency
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     trigger = tokenizer.encode(AUX_TRIGGER, add_special_tokens=False)
 
     def make(ops: bool = True, k: int = n, t: int = turns, wl: str = workload) -> list[ReplaySession]:
