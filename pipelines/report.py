@@ -155,17 +155,29 @@ def _plt():
 
 def _accuracy_panel(ax, rows: list[dict], title: str) -> None:
     arms = list(dict.fromkeys(r["arm"] for r in rows))
+    labelled: set[tuple[int, str]] = set()  # one label per (distance, value): equal values of several arms overlap
     for i, arm in enumerate(arms):
         mine = [r for r in rows if r["arm"] == arm and r["forced_acc"] is not None]
         xs = [r["distance"] for r in mine]
         ys = [r["forced_acc"] for r in mine]
         err = [[max(0.0, y - r["ci95"][0]) for y, r in zip(ys, mine, strict=True)],
                [max(0.0, r["ci95"][1] - y) for y, r in zip(ys, mine, strict=True)]]
-        ax.errorbar([x * (1 + 0.015 * (i - len(arms) / 2)) for x in xs], ys, yerr=err, marker="os^vDP*"[i % 7],
-                    capsize=3, label=arm)
-        for x, y in zip(xs, ys, strict=True):
-            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xscale("log")
+        jittered = [x * (1 + 0.015 * (i - len(arms) / 2)) for x in xs]
+        ax.errorbar(jittered, ys, yerr=err, marker="os^vDP*"[i % 7], capsize=3, label=arm)
+        for x0, x, y in zip(xs, jittered, ys, strict=True):
+            if (x0, f"{y:.2f}") not in labelled:
+                labelled.add((x0, f"{y:.2f}"))
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    dists = sorted({r["distance"] for r in rows})
+    if len(dists) > 1:
+        from matplotlib.ticker import NullFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    elif dists:
+        ax.set_xlim(dists[0] * 0.94, dists[0] * 1.06)
+    ax.set_xticks(dists)
+    ax.set_xticklabels([str(d) for d in dists])
     ax.set_ylim(-0.05, 1.1)
     ax.set_xlabel("distance from the definitions to the probe (tokens)")
     ax.set_ylabel("forced-prefix accuracy (95 % Wilson)")
