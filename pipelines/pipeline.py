@@ -271,7 +271,7 @@ def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
         arms = [a for a in p["arms"].split(",") if a]
         return LOAD_S + p["sessions"] * len(_ints(p["distances"])) * sum(per_kt.get(a, 40.0) * kt + 4 for a in arms)
     if st.name == "residency":
-        return LOAD_S + 7 * p["length"] / 1024 * len([a for a in p["arms"].split(",") if a])
+        return LOAD_S + 10 * p["length"] / 1024 * len([a for a in p["arms"].split(",") if a])
     if st.name in ("traces", "fresh_traces"):
         return 4 + 0.02 * p["tasks"] * len(p["envs"].split(","))
     if st.name == "hindsight":

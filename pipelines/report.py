@@ -214,7 +214,7 @@ def plot_residency(res: dict, path: Path) -> dict:
         xs = [p["tokens"] for p in pts]
         ys = [p["kv_bytes"] / 2**20 for p in pts]
         peak = (res.get("peak_resident") or {}).get(arm, max(p["resident"] for p in pts))
-        ax.plot(xs, ys, marker=".", label=f"{arm} (peak {peak} slots inside a chunk)")
+        ax.plot(xs, ys, marker=".", label=f"{arm} (engine peak {peak} slots)")
         data[arm] = [{"tokens": p["tokens"], "resident": p["resident"], "kv_mib": p["kv_bytes"] / 2**20}
                      for p in pts]
     ax.set_xlabel("session length (tokens appended)")
