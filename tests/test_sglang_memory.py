@@ -25,9 +25,10 @@ prepare_sglang()
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
 from kvsteward.kernels.rope import apply_rope, rerotate, rope_spec  # noqa: E402
+from kvsteward.serve.bench.sglang_memory import memory_in_use  # noqa: E402
 from kvsteward.serve.sglang import aux  # noqa: E402
 from kvsteward.serve.sglang.ops import parse_request, request_fields  # noqa: E402
-from kvsteward.serve.sglang.sim import SimReq, SimServer, memory_in_use  # noqa: E402
+from kvsteward.serve.sglang.sim import SimReq, SimServer  # noqa: E402
 from kvsteward.serve.sglang.tree import OpNode  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 64

@@ -9,9 +9,8 @@ DURING_BUSY` asserts) and the KV page invariants (`SGLANG_CHECK_KV_PAGE_INVARIAN
 pool, no duplicate free page), plus what they do not see: every slot owned by exactly one tree node, and tree + free
 + in-flight private slots = the pool.
 
-`memory_in_use` is the issue-43 measurement: one agent session (rolling drops keeping the last tool responses),
-tokens in use (`/v1/loads`' num_used: total - available - evictable) and allocated while a turn runs, for the
-default radix cache and the kvsteward tree (freeing off / lazy / eager).
+The issue-43 measurement on it (tokens in use while an agent session's turn runs) is
+`kvsteward.serve.bench.sglang_memory.memory_in_use`.
 """
 
 from __future__ import annotations
@@ -224,54 +223,3 @@ def tiny_rope(head_dim: int = 8, theta: float = 1e4):
     return config_model_rope(LlamaConfig(hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1,
                                          num_hidden_layers=1, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": theta}))
-
-
-def memory_in_use(turns: int = 10, keep: int = 2, reposition_every: int = 0, reply: int = 16, seed: int = 0,
-                  sizes: dict | None = None, size: int = 65536) -> dict:
-    """One agent session (`AgentSession`: rolling drops keeping the last `keep` tool responses, a reposition every
-    `reposition_every`-th drop, 0 = never), turn by turn on a pool with no pressure; while the last turn is in flight
-    (prefilled, before decoding): tokens in use (total - available - evictable: what `/v1/loads` reports and
-    admission counts) and allocated (total - available), for sglang's radix cache (the same physical tokens, no ops)
-    and the kvsteward tree with freeing off / lazy (advertised, freed on demand) / eager (freed at each release).
-    Also `after_evict`: allocated once sglang asks the tree for every evictable slot while the turn runs."""
-    from kvsteward.serve.bench.sglang import AgentSession
-    from kvsteward.serve.sglang.ops import SglangHistory
-
-    sizes = sizes or {"system": 40, "task": 30, "tool": 60, "prompt": 3}
-    g = torch.Generator().manual_seed(seed)
-    msgs: dict = {}
-
-    def make(kind: str, k: int) -> list[int]:
-        if (kind, k) not in msgs:
-            msgs[(kind, k)] = torch.randint(10, 30000, (sizes[kind],), generator=g).tolist()
-        return msgs[(kind, k)]
-
-    rope = tiny_rope()
-    replies = [torch.randint(10, 30000, (reply,), generator=g).tolist() for _ in range(turns)]
-    out = {}
-    for arm in ("default", "off", "lazy", "eager"):
-        s = SimServer("radix" if arm == "default" else "kvsteward", size=size, free="lazy" if arm == "default" else arm,
-                      rope=rope)
-        session = AgentSession(make, keep=keep, reposition_every=reposition_every, ops=True, closing=[2, 3])
-        client = SglangHistory()
-        for t in range(turns):
-            if arm != "default" and session.drops_next():
-                seal = client.fields(*session.seal())
-                s.run(SimReq(seal["input_ids"], seal["sampling_params"]["custom_params"]), [1])
-            messages, cache = session.request()
-            body = client.fields(messages, cache)
-            req = SimReq(body["input_ids"], body["sampling_params"]["custom_params"] if arm != "default" else None)
-            s.start(req)
-            s.check()
-            if t == turns - 1:
-                row = len(body["input_ids"])
-                used, allocated = s.used(), s.allocated()
-                s.cache.evict(EvictParams(num_tokens=s.cache.evictable_size()))
-                s.check()
-                out[arm] = {"used": used, "allocated": allocated, "after_evict": s.allocated(), "row": row,
-                            "stats": dict(getattr(s.cache, "stats", {}))}
-            s.decode(req, replies[t])
-            s.finish(req)
-            session.reply(replies[t])
-            s.check()
-    return out
