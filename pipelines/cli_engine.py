@@ -225,6 +225,9 @@ def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
                            min_confidence=conf), as_json)
 
 
+SGLANG_ARMS = "default,kvsteward_nofree,kvsteward,kvsteward_aux"  # serve.bench.sglang.ARMS (imported lazily)
+
+
 @bench_app.command("sglang")
 def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a local folder for SGLang)"),
                  concurrency: int = typer.Option(4, help="agent sessions in flight at once"),
@@ -238,19 +241,35 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
                  threads: int = typer.Option(2, help="OMP threads of each server"),
                  match_scaling: bool = typer.Option(True, help="also time match_prefix vs conversation length"),
                  log_dir: str = typer.Option("", help="keep the servers' logs here"),
+                 workload: str = typer.Option("synthetic", help="synthetic (generated tool responses) or bfcl (BFCL "
+                                              "v4 multi-turn conversations with executed tool responses)"),
+                 repeats: int = typer.Option(3, help="rounds, the arm order reversed every other round"),
+                 arms: str = typer.Option(SGLANG_ARMS, help="comma-separated arms to run (of these)"),
+                 sessions: int = typer.Option(0, help="sessions in all (0: --concurrency)"),
+                 aux_tokens: int = typer.Option(8, help="tokens the kvsteward_aux arm's fork decodes before a drop"),
+                 no_op: bool = typer.Option(True, "--no-op/--no-no-op", help="also time op-free sessions on both "
+                                            "servers (no_op_overhead)"),
                  as_json: bool = typer.Option(False, "--json")) -> None:
-    """SGLang + kvsteward vs SGLang's default radix cache on the same agent-like requests, same run (one server at a
-    time, started from .venv-sglang): requests/s, output tokens/s, p50/p95 latency, cached-token ratio, peak KV
-    tokens, and the plugin's overhead on requests without ops (`no_op_overhead`, target <= 1.05)."""
+    """SGLang + kvsteward vs SGLang's default radix cache on the same agent conversations, same run (one server at a
+    time, started from .venv-sglang; every arm replays the same teacher-forced text): requests/s, output tokens/s,
+    p50/p95 latency, retractions, queue time, peak KV used / allocated, the tree's stats (re-prefills, compactions),
+    and the plugin's overhead on requests without ops (`no_op_overhead`, target <= 1.05). Arms: default,
+    kvsteward_nofree (the tree before freeing), kvsteward, kvsteward_aux (an aux fork before each drop)."""
     from kvsteward import models
     from kvsteward.serve.bench import sglang as bench
 
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if not chosen or set(chosen) - set(bench.ARMS):
+        raise typer.BadParameter(f"--arms {arms!r}: choose among {', '.join(bench.ARMS)}")
+    if workload not in ("synthetic", "bfcl"):
+        raise typer.BadParameter(f"--workload {workload!r}: synthetic or bfcl")
     folder = models.resolve(model)
     tok = models.load_tokenizer(model)
     result = bench.bench_sglang(folder, tok, concurrency=concurrency, turns=turns, max_new_tokens=max_new_tokens,
                                 keep=keep, reposition_every=reposition_every, tool_words=tool_words,
                                 max_total_tokens=max_total_tokens, dtype=dtype, threads=threads,
-                                progress=_progress, log_dir=log_dir or None)
+                                progress=_progress, log_dir=log_dir or None, workload=workload, repeats=repeats,
+                                arms=chosen, sessions=sessions or None, aux_tokens=aux_tokens, no_op=no_op)
     if match_scaling:
         result["match_prefix"] = bench.match_prefix_scaling(progress=_progress)
     result["workload"]["model"] = model
