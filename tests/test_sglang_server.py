@@ -265,25 +265,33 @@ def test_retraction_under_memory_pressure(served):
     still equals the engine. (Exactness needs the pre-op state in the tree: one evicted before a request is matched
     is re-prefilled from the survivors, `stats["reprefill"]`, which is not the engine's state.)"""
     server, engine, log = served
-    p, q = msg(200, 30), msg(201, 10)
-    generate(server.url, request_fields([p, q, msg(202, 2)]), n=1)
-    ops = [{"drop": {"1": [1]}}, {"drop": {"1": [1]}, "reposition": [1]}, None, {"drop": {"1": [0]}}]
-    cases = [([p, q, msg(300 + k, 10)], ops[k % 4]) for k in range(8)]
-    results: dict[int, list] = {}
     n = 300  # eight rows of ~340 tokens in a 1200-slot pool
+    retracted = False
+    # Whether sglang retracts depends on how many of the eight it admitted together, which depends on arrival
+    # timing (freed dead KV admits more, a loaded machine staggers arrivals): up to three bursts of fresh
+    # conversations until one retracts; every request of every burst must equal the engine.
+    for burst in range(3):
+        p, q = msg(200 + 1000 * burst, 30), msg(201 + 1000 * burst, 10)
+        generate(server.url, request_fields([p, q, msg(202 + 1000 * burst, 2)]), n=1)
+        ops = [{"drop": {"1": [1]}}, {"drop": {"1": [1]}, "reposition": [1]}, None, {"drop": {"1": [0]}}]
+        cases = [([p, q, msg(300 + 1000 * burst + k, 10)], ops[k % 4]) for k in range(8)]
+        results: dict[int, list] = {}
 
-    def worker(k):
-        results[k] = generate(server.url, request_fields(*cases[k]), n=n, timeout=600)["output_ids"]
+        def worker(k, cases=cases, results=results):
+            results[k] = generate(server.url, request_fields(*cases[k]), n=n, timeout=600)["output_ids"]
 
-    before = log.read_text(errors="replace").count("#retracted_reqs")
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(cases))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=600)
-    assert log.read_text(errors="replace").count("#retracted_reqs") > before, "no retraction happened: raise the load"
-    for k, (messages, cache) in enumerate(cases):
-        assert results[k] == engine_tokens(engine, messages, cache, n), k
+        before = log.read_text(errors="replace").count("#retracted_reqs")
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(cases))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=600)
+        for k, (messages, cache) in enumerate(cases):
+            assert results[k] == engine_tokens(engine, messages, cache, n), (burst, k)
+        if log.read_text(errors="replace").count("#retracted_reqs") > before:
+            retracted = True
+            break
+    assert retracted, "no retraction happened in three bursts: raise the load"
 
 
 def test_chunked_prefill_across_many_chunks(served):
