@@ -426,7 +426,7 @@ _PROBE_TOL = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 2e-2, tor
 _PROBE_TOKENS = 24
 
 
-class _CaptureCache:
+class ProbeCache:
     """The cache protocol the engine gives the model (`update` per layer): keeps every layer's keys, caches
     nothing (each forward is a fresh prefill)."""
 
@@ -477,7 +477,7 @@ def _keys(model, tokens: torch.Tensor, positions: torch.Tensor) -> dict[int, tor
     from transformers import AttentionInterface
 
     AttentionInterface.register(_PROBE_ATTENTION, _probe_attention)
-    cache = _CaptureCache()
+    cache = ProbeCache()
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = _PROBE_ATTENTION

@@ -86,11 +86,11 @@ def decide(engine, row: DecisionRow, max_tokens: int = 64) -> list[int]:
     fork = main.fork(shared=True)
     fork.config.use_adapter = True
     if row.slots:
-        from kvsteward.serve.manager.scores import DEFAULT_THRESHOLD, needless
+        from kvsteward.serve.manager.scores import deletions, needless
 
         logits = fork.append(row.trigger, kind="user", logits="all")
         p_no = dict(zip(row.open_cursors, needless(logits, list(row.slots), engine.tokenizer), strict=True))
-        return [c for c in row.deletable if p_no[c] >= DEFAULT_THRESHOLD]
+        return deletions(p_no, row.deletable)
     fork.append(row.trigger, kind="user", logits="last")
     return constrained_del_cursors(fork, engine.tokenizer, row.deletable, max_tokens).del_cursors
 

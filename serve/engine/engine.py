@@ -130,21 +130,13 @@ class Engine:
 _KWARGS_PROBE = "kvsteward_attention_kwargs_probe"
 
 
-class _NoCache:
-    is_compileable = False
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-
 def _attention_kwargs(model) -> dict[int, dict]:
     """What each layer's attention passes to the attention function (sliding_window, softcap), read by running the
     model once on two tokens with a recording attention (modules name their window in different places: Gemma3's
     attribute, Mistral's config)."""
     from transformers import AttentionInterface
+
+    from kvsteward.kernels.rope import ProbeCache
 
     seen: dict[int, dict] = {}
 
@@ -159,7 +151,7 @@ def _attention_kwargs(model) -> dict[int, dict]:
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=_NoCache(),
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), past_key_values=ProbeCache(),
                   use_cache=True)
     finally:
         config._attn_implementation = previous

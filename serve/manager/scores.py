@@ -19,7 +19,7 @@ from kvsteward.serve.engine.session import Session
 from kvsteward.serve.manager.decode import AuxDecision
 from kvsteward.synth.chat import message_texts
 from kvsteward.synth.traces.hindsight import ANSWERS, score_slot_ends, score_trigger
-from kvsteward.synth.traces.tokens import answer_ids, slot_tokens
+from kvsteward.synth.traces.tokens import PieceTokenizer, answer_ids, slot_tokens
 
 DEFAULT_THRESHOLD = 0.5
 
@@ -29,9 +29,8 @@ def trigger_ids(tokenizer, messages: list[dict], open_cursors: list[int]) -> tup
     each open cursor in ascending order): the piece a `scores` training row ends with."""
     history = messages + [{"role": "user", "content": score_trigger(open_cursors, messages)}]
     text = message_texts(tokenizer, history)[-1]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [tuple(o) for o in enc["offset_mapping"]]
-    return list(enc["input_ids"]), slot_tokens(offsets, score_slot_ends(text, open_cursors))
+    ids, offsets = PieceTokenizer(tokenizer).encode(text)  # the training rows' tokenization (synth.traces.dataset)
+    return ids, slot_tokens(offsets, score_slot_ends(text, open_cursors))
 
 
 def needless(logits: torch.Tensor, slots: list[int], tokenizer) -> list[float]:
@@ -41,6 +40,12 @@ def needless(logits: torch.Tensor, slots: list[int], tokenizer) -> list[float]:
     return torch.softmax(pair, dim=-1)[:, 1].tolist()
 
 
+def deletions(p_no: dict[int, float], deletable: list[int], min_confidence: float | None = None) -> list[int]:
+    """The deletable ids whose P(no) reaches the threshold (`min_confidence`, DEFAULT_THRESHOLD when None)."""
+    threshold = DEFAULT_THRESHOLD if min_confidence is None else min_confidence
+    return [c for c in sorted(deletable) if p_no[c] >= threshold]
+
+
 def score_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: list[int], deletable: list[int],
                 min_confidence: float | None = None) -> Generator[None, None, AuxDecision]:
     """The per-response decision on `fork` as a step generator (one forward: the trigger)."""
@@ -48,7 +53,6 @@ def score_steps(fork: Session, tokenizer, messages: list[dict], open_cursors: li
     logits = fork.append(ids, kind="user", logits="all")
     yield
     p_no = dict(zip(sorted(open_cursors), needless(logits, slots, tokenizer), strict=True))
-    threshold = DEFAULT_THRESHOLD if min_confidence is None else min_confidence
-    gone = [c for c in sorted(deletable) if p_no[c] >= threshold]
+    gone = deletions(p_no, deletable, min_confidence)
     return AuxDecision(gone, json.dumps({"del_cursors": gone}), 0,
                        confidence={c: p_no[c] for c in deletable})
