@@ -33,6 +33,7 @@ from kvsteward.serve.engine.ops import OpsError  # noqa: E402
 from kvsteward.serve.sglang import aux  # noqa: E402
 from kvsteward.serve.sglang.ops import parse_request, request_fields  # noqa: E402
 from kvsteward.serve.sglang.pool import drop_from_row, reposition_row  # noqa: E402
+from kvsteward.serve.sglang.sim import SimReq  # noqa: E402
 from kvsteward.serve.sglang.tree import OpNode, OpRadixCache, create_tree_cache  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, VOCAB, SLOTS = 2, 2, 16, 64, 256
@@ -51,32 +52,8 @@ def true_k(ids, positions, layer: int) -> torch.Tensor:
     return apply_rope(raw, torch.as_tensor(positions, dtype=torch.int64), SPEC).transpose(0, 1)
 
 
-class KV(SimpleNamespace):
-    """The fields of sglang's per-request KV record that the tree caches and `free_kv_row` read."""
-
-    def get_evicted_seqlen(self, component_type) -> int:
-        return 0
-
-    def swa_dead_lo(self, page_size: int) -> int:
-        return 0
-
-
-class Req:
-    """The fields of sglang's Req that the tree caches read."""
-
-    def __init__(self, ids, custom=None, extra_key=None, lora_id=None):
-        self.origin_input_ids, self.output_ids = array("q", ids), array("q")
-        self.sampling_params = SimpleNamespace(custom_params=custom)
-        self.lora_id = lora_id
-        if lora_id is not None:  # what sglang's Req.__init__ does
-            extra_key = (extra_key or "") + lora_id
-        self.extra_key, self.cache_salt, self.priority = extra_key, None, 0
-        self.kv = KV(req_pool_idx=None, cache_protected_len=0)
-        self.last_node = None
-        self.prefix_indices = None
-
-    def get_fill_ids(self):
-        return self.origin_input_ids + self.output_ids
+# sglang's per-request KV record and Req, as the tree caches read them: the simulator's own stand-ins
+Req = SimReq
 
 
 class Server:
