@@ -83,68 +83,6 @@ class AgentSession:
                                                   "reposition": list(self.cache["reposition"])}
 
 
-def token_maker(tokenizer, seed: int, tool_words: int = 60):
-    """`AgentSession.make` from a chat template: a system prompt, a task, tool responses tagged `[cursor N]` with
-    `tool_words` words of synthetic output, and the assistant generation prompt."""
-    import random
-
-    from kvsteward.synth.chat import generation_prompt, message_token_ids
-
-    rng = random.Random(seed)
-    words = ["ticket", "order", "status", "owner", "printer", "shipped", "refund", "team", "queue", "error", "log",
-             "service", "region", "pending", "closed", "priority", "customer", "invoice", "note", "update"]
-    counter = {"n": 2}
-
-    def text(n: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(n))
-
-    def make(kind: str, k: int) -> list[int]:
-        if kind == "system":
-            m = {"role": "system", "content": "You are a support agent. Use the tools; answer briefly."}
-        elif kind == "task":
-            m = {"role": "user", "content": f"Session {seed}: find who owns ticket {rng.randint(1, 999)}. {text(12)}"}
-        elif kind == "tool":
-            m = {"role": "tool", "content": f"[cursor {counter['n']}] {text(tool_words)}"}
-            counter["n"] += 2
-        else:
-            return tokenizer.encode(generation_prompt(tokenizer, [{"role": "user", "content": "x"}]),
-                                    add_special_tokens=False)
-        if kind == "system":
-            return message_token_ids(tokenizer, [m])[0]
-        # a message piece as the template writes it mid-conversation (after a first message)
-        return message_token_ids(tokenizer, [{"role": "system", "content": "s"}, m])[1]
-
-    closing = tokenizer.encode("<|im_end|>\n", add_special_tokens=False) if "<|im_end|>" in tokenizer.get_vocab() \
-        else []
-    return make, closing
-
-
-@dataclass
-class Pass:
-    latencies: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    wall_s: float = 0.0
-    peak_kv_tokens: int = 0
-    seals: int = 0  # 1-token requests that cached a reply's last tokens before a drop (timed with their turn)
-
-    def summary(self) -> dict:
-        lat = sorted(self.latencies)
-
-        def pct(p: float) -> float:
-            return lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))] if lat else 0.0
-
-        return {"requests": len(lat), "requests_per_s": len(lat) / self.wall_s if self.wall_s else 0.0,
-                "output_tokens_per_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
-                "latency_p50_s": pct(0.5), "latency_p95_s": pct(0.95),
-                "latency_mean_s": statistics.fmean(lat) if lat else 0.0,
-                "cached_token_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "prompt_tokens": self.prompt_tokens, "prompt_tokens_computed": self.prompt_tokens - self.cached_tokens,
-                "output_tokens": self.output_tokens, "peak_kv_tokens": self.peak_kv_tokens, "wall_s": self.wall_s,
-                "seal_requests": self.seals}
-
-
 class LoadPoller:
     """Polls sglang's `/v1/loads` every `interval` s in a thread while in use (`with LoadPoller(url) as p:`): peak and
     mean `num_used_tokens` (total - available - evictable: what admission sees as taken), running and waiting
@@ -233,19 +171,6 @@ def retractions(log_text: str) -> int:
     return sum(int(m) for m in re.findall(r"#retracted_reqs: (\d+)", log_text))
 
 
-def _poll_kv(url: str, stop: threading.Event, out: Pass) -> None:
-    import requests
-
-    while not stop.is_set():
-        try:
-            loads = requests.get(f"{url}/v1/loads", params={"include": "core,memory"}, timeout=5).json()["loads"]
-            used = sum(int(_find(x, "num_used_tokens") or 0) for x in loads)
-            out.peak_kv_tokens = max(out.peak_kv_tokens, used)
-        except Exception:  # noqa: BLE001 (a missed sample is not an error of the run)
-            pass
-        stop.wait(0.25)
-
-
 def _find(d, key):
     if isinstance(d, dict):
         if key in d:
@@ -255,70 +180,6 @@ def _find(d, key):
             if found is not None:
                 return found
     return None
-
-
-def run_pass(url: str, sessions: list[AgentSession], turns: int, max_new_tokens: int, kvsteward: bool,
-             progress: Progress | None = None) -> Pass:
-    """Play every session's `turns` turns concurrently (one thread per session, turns in order); requests carry
-    the op history (compact form) when `kvsteward` and the sessions have ops."""
-    import requests
-
-    from kvsteward.serve.sglang.ops import SglangHistory, request_fields
-
-    result, lock = Pass(), threading.Lock()
-    stop = threading.Event()
-    poller = threading.Thread(target=_poll_kv, args=(url, stop, result), daemon=True)
-    errors: list[BaseException] = []
-
-    def play(s: AgentSession) -> None:
-        history = SglangHistory()
-        try:
-            for _ in range(turns):
-                t0 = time.perf_counter()
-                sealed = 0
-                if kvsteward and s.drops_next():  # the state the drop follows must be cached whole
-                    seal = history.fields(*s.seal())
-                    seal["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
-                    requests.post(f"{url}/generate", json=seal, timeout=1800).raise_for_status()
-                    sealed = 1
-                messages, cache = s.request()
-                if kvsteward:
-                    body = history.fields(messages, cache if s.ops else None)
-                else:  # the same physical tokens, no op history
-                    body = {"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]}
-                body.setdefault("sampling_params", {}).update(
-                    {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True})
-                r = requests.post(f"{url}/generate", json=body, timeout=1800)
-                r.raise_for_status()
-                out = r.json()
-                dt = time.perf_counter() - t0
-                s.reply(out["output_ids"])
-                meta = out["meta_info"]
-                with lock:
-                    result.seals += sealed
-                    result.latencies.append(dt)
-                    result.output_tokens += len(out["output_ids"])
-                    result.prompt_tokens += int(meta.get("prompt_tokens", len(body["input_ids"])))
-                    result.cached_tokens += int(meta.get("cached_tokens", 0))
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
-            errors.append(e)
-
-    poller.start()
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=play, args=(s,)) for s in sessions]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    result.wall_s = time.perf_counter() - t0
-    stop.set()
-    poller.join(timeout=5)
-    if errors:
-        raise errors[0]
-    if progress:
-        progress(f"{'kvsteward' if kvsteward else 'default'} pass: {len(result.latencies)} requests in "
-                 f"{result.wall_s:.1f} s")
-    return result
 
 
 ARMS = ("default", "kvsteward_nofree", "kvsteward", "kvsteward_aux")
