@@ -270,35 +270,33 @@ def _parallel(model: str, adapter: Path | None, engine, workers: int, journal: P
             "journal_key": {"model": model, "adapter": str(Path(adapter_dir).resolve()) if adapter_dir else None}}
 
 
-def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str, fit_envs: list[str]) -> dict:
-    """The fitted cheap baselines as arms: from `baselines` (or DATA/baselines, written by `steward synth audit` on
-    the whole train split), else — and whenever `fit_envs` names only some environments — fitted now on the train
-    split's decisions of those environments (the adapter's, so a held-out environment stays unseen by every arm)."""
+def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str, fit_envs: list[str],
+               every: int) -> tuple[dict, dict]:
+    """The fitted cheap baselines as arms, and the fitted rules: from `baselines` (a folder of `save_baselines`,
+    e.g. a manager folder's `rules/`) when given, else fitted now by the one fit (`baselines.fit_on_traces`) on the
+    train-split traces of `fit_envs` (all environments when empty; the adapter's, so a held-out environment stays
+    unseen by every arm) at the evaluation's `every`."""
     from kvsteward.eval.manager.arms import RuleArm
-    from kvsteward.synth.traces.audit import AuditError, load_dataset
-    from kvsteward.synth.traces.baselines import fit_all, load_baselines
-    from kvsteward.synth.traces.decisions import DecisionError, decisions_from_split
+    from kvsteward.synth.traces.baselines import fit_on_traces, load_baselines
 
     if not names:
-        return {}
+        return {}, {}
     fitted, missing = {}, list(names)
-    if baselines is not None or not fit_envs:
+    if baselines is not None:
         try:
-            fitted = load_baselines(baselines or data / "baselines")
-            missing = [n for n in names if n not in fitted]
-        except FileNotFoundError:
-            if baselines is not None:
-                raise typer.BadParameter(f"--baselines {baselines}: no fitted baselines there") from None
+            fitted = load_baselines(baselines)
+        except (FileNotFoundError, ValueError) as e:
+            raise typer.BadParameter(f"--baselines {baselines}: {e}") from None
+        missing = [n for n in names if n not in fitted]
     if missing:
-        where = f"the {', '.join(fit_envs)} rows of " if fit_envs else ""
-        with console.status(f"fitting {', '.join(missing)} on {where}the train split of {data} ..."):
+        train = _traces(data, None, "train", 1 << 30, ",".join(fit_envs))
+        where = f"{len(train)} train traces" + (f" of {', '.join(fit_envs)}" if fit_envs else "")
+        with console.status(f"fitting {', '.join(missing)} on {where} ..."):
             try:
-                train = [d for d in decisions_from_split(load_dataset(data)["train"])
-                         if not fit_envs or d.env in fit_envs]
-                fitted |= fit_all(train, missing)
-            except (AuditError, DecisionError, ValueError) as e:
-                raise typer.BadParameter(f"cannot fit the baselines on {data}: {e}") from e
-    return {n: RuleArm(n, fitted[n], point) for n in names}
+                fitted |= fit_on_traces(train, every, missing)
+            except ValueError as e:
+                raise typer.BadParameter(f"cannot fit the baselines on {where}: {e}") from e
+    return {n: RuleArm(n, fitted[n], point) for n in names}, fitted
 
 
 def _attention_arm(engine, data: Path, traces: Path | None, every: int, fit_traces: int, threshold: float | None,
@@ -349,9 +347,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
                                      help="comma-separated arms (adapter only with --adapter)"),
             point: str = typer.Option("f1", help="the cheap baselines' operating point: f1 (best train F1) or safe "
                                                  "(best F1 with <= 2 % harmful on train)"),
-            baselines: Path | None = typer.Option(None, help="fitted baselines folder (default: DATA/baselines from "
-                                                             "`steward synth audit`; fitted on DATA's train split "
-                                                             "when absent)"),
+            baselines: Path | None = typer.Option(None, help="fitted baselines folder (`steward eval choose`'s "
+                                                             "OUT/rules; default: fitted now on the train-split "
+                                                             "traces of --fit-envs, nothing deleted before)"),
             attention_fit: int = typer.Option(10, help="validation traces whose replays choose the attention-mass "
                                                        "threshold"),
             attention_threshold: float | None = typer.Option(None, help="attention-mass threshold (skips the fit)"),
@@ -419,7 +417,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         fit_list = list(adapter_meta(adapter).get("train_envs") or []) if adapter else []
     else:
         fit_list = [e.strip() for e in fit_envs.split(",") if e.strip()]
-    rules = _rule_arms([a for a in wanted if a in RULES], data, baselines, point, fit_list)
+    rules, _ = _rule_arms([a for a in wanted if a in RULES], data, baselines, point, fit_list, every)
     with console.status(f"loading {model} ..."):
         engine = load_engine(model, str(adapter) if adapter else None, aux_context)
     attention_fit_record = None
@@ -567,3 +565,111 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
             mlflow.log_dict(out, "manager_calibrate.json")
         out["mlflow_run_id"] = run.info.run_id
     print(json.dumps(out)) if as_json else console.print_json(json.dumps(out))
+
+
+@app.command()
+def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
+           adapter: Path | None = typer.Option(None, help="LoRA adapter folder (as calibrated): the adapter arm"),
+           data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces)"),
+           split: str = typer.Option("validation", help="the split to choose on (never the test split you report)"),
+           env: str = typer.Option("", "--env", help="only traces of these environments (comma-separated)"),
+           every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
+           limit: int = typer.Option(10, help="at most this many traces"),
+           arms: str = typer.Option("delete_all_read,structure,adapter",
+                                    help="the candidates (adapter only with --adapter)"),
+           fit_envs: str | None = typer.Option(None, help="environments whose train traces fit the rules (default: "
+                                                          "those the adapter was trained on, all without one)"),
+           max_harm: float = typer.Option(1.0, help="only arms with harmful rate <= this compete (1: all)"),
+           calibration: Path | None = typer.Option(None, help="`steward eval calibrate --json` output on the same "
+                                                              "traces: the adapter's numbers are read from it, "
+                                                              "not replayed"),
+           out: Path = typer.Option(..., help="the manager folder to write (`steward serve --manager OUT`)"),
+           workers: int = typer.Option(1, help="play traces in this many processes"),
+           journal: Path | None = typer.Option(None, help="JSONL file of finished traces (resume after a crash)"),
+           mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the choice to MLflow"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Choose the manager to serve on validation: the adapter (as calibrated) against the fitted rules, every arm on
+    the same replays; the best F1 (within --max-harm) wins, a tie goes to the cheaper arm. Writes OUT/manager.json
+    (the choice and its evidence) and OUT/rules (the fitted rules), which `steward serve --manager OUT` serves."""
+    from kvsteward.eval.manager.choose import calibrated_summary, choose_manager
+    from kvsteward.eval.manager.evaluate import JournalError, evaluate, load_engine
+    from kvsteward.serve.manager.rule import MANAGER_ARMS, save_choice
+
+    wanted = [a.strip() for a in arms.split(",") if a.strip()]
+    if unknown := [a for a in wanted if a not in MANAGER_ARMS]:
+        raise typer.BadParameter(f"--arms: unknown {unknown}; the candidates are {', '.join(MANAGER_ARMS)}")
+    if "adapter" in wanted and adapter is None:
+        wanted.remove("adapter")
+    if not wanted:
+        raise typer.BadParameter("--arms leaves nothing to choose among")
+    if split not in ("train", "validation", "test", "all"):
+        raise typer.BadParameter(f"--split must be train, validation, test or all, got {split!r}")
+    if not 0.0 <= max_harm <= 1.0:
+        raise typer.BadParameter(f"--max-harm is a rate in [0, 1], got {max_harm}")
+    _check_parallel(workers, journal)
+    adapter_summary = None
+    if calibration is not None:
+        try:
+            adapter_summary = calibrated_summary(_calibration_record(calibration))
+        except (OSError, KeyError, ValueError) as e:
+            raise typer.BadParameter(f"--calibration {calibration}: {e}") from e
+    if adapter is not None:
+        from kvsteward.models import ModelNotFound, adapter_meta, check_adapter
+
+        try:
+            check_adapter(str(adapter))
+        except ModelNotFound as e:
+            raise typer.BadParameter(str(e)) from e
+    if split == "test":
+        console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice")
+    trs = _traces(data, None, split, limit, env)
+    fit_list = ([e.strip() for e in fit_envs.split(",") if e.strip()] if fit_envs is not None else
+                list(adapter_meta(adapter).get("train_envs") or []) if adapter else [])
+    rules, fitted = _rule_arms([a for a in wanted if a != "adapter"], data, None, "f1", fit_list, every)
+    play_adapter = "adapter" in wanted and adapter_summary is None
+    with console.status(f"loading {model} ..."):
+        engine = load_engine(model, str(adapter) if adapter else None)
+    try:
+        result = evaluate(engine, trs, every=every, arms=("adapter",) if play_adapter else (), progress=console.log,
+                          close_bias={"adapter": engine.close_bias},
+                          min_confidence={"adapter": engine.min_confidence}, rules=rules,
+                          **_parallel(model, adapter, engine, workers, journal))
+    except JournalError as e:
+        raise typer.BadParameter(str(e)) from e
+    validation = {a: result[a] for a in wanted if a in result}
+    if "adapter" in wanted and adapter_summary is not None:
+        validation["adapter"] = adapter_summary
+    try:
+        winner, reason = choose_manager(validation, max_harm)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    record = {"reason": reason, "split": split, "envs": sorted({t.env for t in trs}), "n_traces": len(trs),
+              "every": every, "fit_envs": fit_list, "max_harm": max_harm, "validation": validation,
+              "adapter_source": "calibration" if adapter_summary is not None else "replayed",
+              "data": str(data), "model": model}
+    save_choice(out, winner, fitted, str(adapter) if adapter else None, record)
+    body = {"choice": winner, "manager_dir": str(out), **record}
+    if mlflow_log:
+        import mlflow
+
+        from kvsteward.runs import stage_run
+
+        with stage_run("manager-choose") as run:
+            mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
+                               "env": env, "every": every, "traces": len(trs), "arms": ",".join(wanted),
+                               "max_harm": max_harm, "choice": winner})
+            mlflow.set_tag("kvsteward.served_manager", winner)
+            mlflow.log_metrics(_numeric_metrics(validation))
+            mlflow.log_artifacts(str(out), "manager")
+        body["mlflow_run_id"] = run.info.run_id
+    if as_json:
+        print(json.dumps(body, default=str))
+    else:
+        _arm_table({**validation, "n_traces": len(trs)}, list(validation))
+        console.print(f"serving [bold]{winner}[/bold]: {reason} → steward serve --manager {out}")
+
+
+def _calibration_record(path: Path) -> dict:
+    """`steward eval calibrate --json`'s object: the file itself, or a pipeline stage's stage.json holding it."""
+    body = json.loads(Path(path).read_text())
+    return body.get("result", body) if "by_bias" not in body else body

@@ -33,6 +33,9 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
           aux_every: int = typer.Option(None, help="run the aux thread at every K-th tool response of a session "
                                                    "(default 4 with --adapter or --aux-base; off otherwise)"),
           aux_base: bool = typer.Option(False, help="run the aux thread with the base model (no adapter; testing)"),
+          manager: Path = typer.Option(None, help="a manager folder from `steward eval choose` (a pipeline's "
+                                                  "`choose` stage): serve its validation winner — the adapter as "
+                                                  "--adapter serves it, or a fitted rule (no model forward)"),
           aux_max_tokens: int = typer.Option(48, help="decode budget of one aux decision"),
           aux_plan: bool = typer.Option(False, help="the aux thread also runs `Planning mode` at each fork; its plan "
                                                     "becomes the session's blueprint (foresight arms: pace, "
@@ -139,6 +142,27 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
 
     if adapter is not None and aux_base:
         raise typer.BadParameter("--adapter and --aux-base exclude each other: the manager is one model")
+    rule = None
+    if manager is not None:
+        from kvsteward.serve.manager.rule import ManagerError, load_choice
+
+        if adapter is not None or aux_base:
+            raise typer.BadParameter("--manager names the manager itself: it excludes --adapter and --aux-base")
+        try:
+            choice = load_choice(manager)
+        except ManagerError as e:
+            raise typer.BadParameter(f"--manager: {e}") from e
+        rule = choice.rule
+        adapter = None if choice.is_rule else Path(choice.adapter_dir)
+        if rule is not None:
+            model_only = {"--aux-close-bias": aux_close_bias is not None, "--aux-min-confidence":
+                          aux_min_confidence is not None, "--aux-context": aux_context is not None,
+                          "--aux-plan": aux_plan, "--aux-delete-unread": aux_delete_unread}
+            if bad := [flag for flag, on in model_only.items() if on]:
+                raise typer.BadParameter(f"{', '.join(bad)}: the manager in {manager} is the fitted rule "
+                                         f"{rule.name!r}, which decodes nothing and decides on read responses only")
+    if rule is not None:
+        aux_base = True  # (below: "a manager is configured"; the rule decides, the model is never asked)
     if aux_every is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-every needs a manager: --adapter DIR (or --aux-base for the base model)")
     if spill_tier not in ("host", "disk", "valkey") or (spill_tier == "valkey" and not valkey_url):
@@ -167,7 +191,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                         use_adapter=adapter is not None, plan=aux_plan, plan_max_tokens=aux_plan_max_tokens,
                         max_wait=aux_max_wait, close_bias=0.0 if aux_close_bias is None else aux_close_bias,
                         keep_unread=not aux_delete_unread,
-                        min_confidence=aux_min_confidence or None)  # 0: the greedy list
+                        min_confidence=aux_min_confidence or None, rule=rule)  # 0: the greedy list
         try:
             aux.validate()
         except ValueError as e:
@@ -194,6 +218,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
                           allowed_hosts=hosts)
     console.log(f"serving {name} on http://{host}:{port} (policy {defaults.policy}, budget {defaults.budget}, "
                 f"limit {defaults.limit}; aux {'off' if aux is None else f'every {aux.every} turns'}"
+                f"{f' (rule {rule.name})' if rule is not None else ''}"
                 f"{' + planner' if aux is not None and aux.plan else ''}; "
                 f"{f'{len(keys)} API key(s)' if keys else 'no API keys'})")
     uvicorn.run(create_app(engine, config), **uvicorn_options(host, port, log_level, limit_concurrency,

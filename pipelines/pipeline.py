@@ -146,6 +146,22 @@ def _calibrate_stage(cfg: PipelineConfig) -> Stage:
         "--journal", str(out / "traces.jsonl"), "--json"])
 
 
+def _choose_stage(cfg: PipelineConfig) -> Stage:
+    """The manager to serve, chosen on the same validation traces as the decode rule: the calibrated adapter (its
+    numbers read from the calibration) against the fitted rules (`steward eval choose`)."""
+    traces = cfg.calibrate_traces or cfg.manager_traces
+    params = {"traces": traces, "every": cfg.every, "envs": cfg.train_envs(), "max_harm": cfg.max_harm,
+              "arms": "delete_all_read,structure,adapter"}
+    upstream = ["hindsight", "train", *(["calibrate"] if cfg.calibrate_traces else [])]
+    return Stage("choose", params, upstream, lambda out, up: [
+        "eval", "choose", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
+        str(up["hindsight"] / "ds"), "--split", "validation", "--env", ",".join(cfg.train_envs()), "--every",
+        str(cfg.every), "--limit", str(traces), "--fit-envs", ",".join(cfg.train_envs()), "--arms", params["arms"],
+        *(["--calibration", str(up["calibrate"] / DONE)] if "calibrate" in up else []),
+        "--workers", str(cfg.workers), "--journal", str(out / "traces.jsonl"), "--out", str(out / "manager"),
+        "--json"])
+
+
 def _manager_stage(cfg: PipelineConfig, name: str, upstream: list[str], which: dict,
                    test_args: Callable[[dict[str, Path]], list[str]]) -> Stage:
     """One test set of `steward eval manager`: every arm on the same traces (the adapter as calibrated)."""
@@ -226,6 +242,7 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
     if cfg.calibrate_traces:
         out.append(_calibrate_stage(cfg))
         tested.append("calibrate")
+    out.append(_choose_stage(cfg))
     out.append(_manager_stage(cfg, "manager", tested, {"set": "test", "envs": train_envs},
                               lambda up: ["--split", "test", "--env", train_envs]))
     if cfg.holdout_env:
@@ -281,6 +298,9 @@ def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
     if st.name == "calibrate":
         per = -(-p["traces"] // max(1, cfg.workers))
         return LOAD_S + per * 45 * len(p["biases"].split(","))
+    if st.name == "choose":  # two rule replays per trace (the adapter's numbers come from the calibration)
+        per = -(-p["traces"] // max(1, cfg.workers))
+        return LOAD_S + 10 + per * (12 * 3 + 15)
     if st.name in ("manager", "heldout", "manager_imported"):
         n_arms = len(cfg.manager_arms.split(",")) if cfg.manager_arms else 8
         return LOAD_S + 10 + rounds * (12 * (n_arms + 1) + 15)
@@ -429,7 +449,7 @@ def _end_parent(summary: dict) -> None:
     attach_to_adapter_run(summary)
 
 
-EVALUATIONS = ("calibrate", "manager", "heldout", "manager_imported")
+EVALUATIONS = ("calibrate", "choose", "manager", "heldout", "manager_imported")
 
 
 def attach_to_adapter_run(summary: dict) -> str | None:
@@ -449,4 +469,8 @@ def attach_to_adapter_run(summary: dict) -> str | None:
     for name in EVALUATIONS:
         if name in summary:
             client.log_dict(run_id, summary[name]["result"], f"evaluation/{name}.json")
+    chosen = summary.get("choose", {}).get("result", {})
+    if chosen.get("manager_dir") and Path(chosen["manager_dir"]).is_dir():  # the served manager beside the weights
+        client.log_artifacts(run_id, chosen["manager_dir"], "manager")
+        client.set_tag(run_id, "kvsteward.served_manager", chosen["choice"])
     return run_id

@@ -80,8 +80,8 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
 
     cfg = PipelineConfig(envs="research,ops,support", holdout_env="ops", train_minutes=30, lr=5e-4, pack=True)
     by = {s.name: s for s in stages(cfg)}
-    assert list(by) == ["engine", "longsession", "residency", "traces", "hindsight", "train", "calibrate", "manager",
-                        "heldout", "fresh_traces", "exported", "imported", "manager_imported", "serve"]
+    assert list(by) == ["engine", "longsession", "residency", "traces", "hindsight", "train", "calibrate", "choose",
+                        "manager", "heldout", "fresh_traces", "exported", "imported", "manager_imported", "serve"]
     train = tmp_path / "train"
     train.mkdir()
     (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
@@ -97,6 +97,9 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
     assert "--pack" in args("hindsight")[1]
     c, _ = args("calibrate")
     assert c["--split"] == "validation" and c["--env"] == "research,support"
+    ch, raw = args("choose")  # chosen on the calibration's validation traces, never on a test set
+    assert ch["--split"] == "validation" and ch["--env"] == ch["--fit-envs"] == "research,support"
+    assert ch["--calibration"] == str(tmp_path / "calibrate" / DONE) and ch["--limit"] == str(cfg.calibrate_traces)
     m, _ = args("manager")
     h, _ = args("heldout")
     assert m["--env"] == "research,support" and h["--env"] == "ops" and h["--split"] == "test"

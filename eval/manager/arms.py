@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsteward.serve.manager.decode import PREFIX, AuxDecision
+from kvsteward.serve.manager.rule import RuleManager
 from kvsteward.synth.traces.baselines import SAFE_HARMFUL, Baseline, choose, sweep
 from kvsteward.synth.traces.hindsight import boundaries, expired, unread_cursors
 from kvsteward.synth.traces.trace import Trace
@@ -54,7 +55,7 @@ class RuleArm:
         return f"rule {self.name} at {self.point} ({hashlib.sha256(setting.encode()).hexdigest()[:10]})"
 
     def decide(self, session, messages: list[dict], open_cursors: list[int]) -> AuxDecision:
-        return _decision(self.baseline.decide_at(messages, open_cursors, self.point))
+        return RuleManager(self.name, self.baseline, self.point).decide(messages, open_cursors)  # as served
 
 
 def attention_mass(session, open_cursors: list[int]) -> dict[int, float]:

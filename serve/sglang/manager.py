@@ -28,6 +28,9 @@ responses never offered with `keep_unread`). On SGLang the same decision is one 
   trigger and its tail with the adapter (the tree never holds adapter tokens): a decision costs one prefill of
   trigger + tail per branch token, where the engine extends a copied state by one token.
 
+- **a fitted rule** (a manager folder whose validation winner is a rule: `for_choice`) decides from the messages
+  with no request at all, exactly as the engine's worker does (`manager.rule.RuleManager`).
+
 Not on SGLang: the planner (`--aux-plan`).
 """
 
@@ -52,6 +55,7 @@ from kvsteward.serve.manager.decode import (
     branch_walk,
     valid_tail,
 )
+from kvsteward.serve.manager.rule import RuleManager, load_choice
 
 AUX_FIELD = "kvsteward_aux"
 
@@ -123,6 +127,7 @@ class SglangManager:
     keep_unread: bool = True
     max_tokens: int = 64
     min_confidence: float | None = None
+    rule: RuleManager | None = None  # a fitted rule decides, no request (`manager.rule`: `for_choice`)
     _eos: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -145,6 +150,15 @@ class SglangManager:
         args = {"trigger_style": meta["trigger"], "aux_context": meta["aux_context"],
                 "close_bias": meta["close_bias"], "min_confidence": meta["min_confidence"]}
         return cls(tokenizer, lora=lora, **{**args, **kw})
+
+    @classmethod
+    def for_choice(cls, tokenizer, manager_dir: str, lora: str | None, **kw) -> SglangManager:
+        """The manager a `steward eval choose` folder names (`manager.rule.load_choice`): its adapter, served as
+        `for_adapter` serves it under the name `lora`, or its fitted rule."""
+        choice = load_choice(manager_dir)
+        if choice.is_rule:
+            return cls(tokenizer, rule=choice.rule, **kw)
+        return cls.for_adapter(tokenizer, choice.adapter_dir, lora, **kw)
 
     def deletable(self, messages: list[dict], open_cursors: list[int]) -> list[int]:
         from kvsteward.synth.traces.hindsight import unread_cursors
@@ -231,6 +245,8 @@ class SglangManager:
         """Run the fork on the server at `url` and return the decision."""
         import requests
 
+        if self.rule is not None:  # the engine's worker decides the same way (`AuxConfig.rule`)
+            return self.rule.decide(messages, open_cursors)
         if self.min_confidence is not None:
             return self.confident_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
         body = self.fork_body(history, messages, message_ids, cache, open_cursors)
