@@ -125,6 +125,10 @@ def _print_findings(summary: dict) -> None:
         best = max(audit["baselines"].items(), key=lambda kv: kv[1].get("f1") or 0)
         console.print(f"shortcut audit (validation): best cheap baseline {best[0]} F1 {best[1].get('f1') or 0:.2f}"
                       + (f"; FLAGGED: {', '.join(str(f) for f in flags)}" if flags else "; nothing flagged"))
+    chosen = summary.get("choose", {}).get("result")
+    if chosen:
+        console.print(f"served manager (chosen on validation): [bold]{chosen['choice']}[/bold] — {chosen['reason']}; "
+                      f"steward serve --manager {chosen['manager_dir']}")
     # Short headers: the JSON names do not fit an 80-column log (rich cut them to "precisi…", "harmfu…").
     cols = {"f1": "F1", "precision": "prec", "recall": "recall", "harmful_rate": "harmful",
             "parse_fail_rate": "parse fail", "peak_tokens_reduction": "peak ↓", "kv_reads_reduction": "reads ↓"}
@@ -245,8 +249,8 @@ def _clean_all(tail: str, clean) -> list[str]:
 # where to look, per stage (relative to its folder; "" = the folder itself)
 OUTPUTS = {"engine": ["stage.json"], "longsession": ["report.md", "results.json", "acc_vs_distance.png"],
            "residency": ["residency.json"], "traces": [""], "hindsight": ["ds/card.json"], "train": ["adapter"],
-           "calibrate": ["traces.jsonl"], "manager": ["stage.json"], "heldout": ["stage.json"],
-           "fresh_traces": [""], "exported": ["sessions.jsonl"], "imported": [""],
+           "calibrate": ["traces.jsonl"], "choose": ["manager/manager.json"], "manager": ["stage.json"],
+           "heldout": ["stage.json"], "fresh_traces": [""], "exported": ["sessions.jsonl"], "imported": [""],
            "manager_imported": ["stage.json"], "serve": ["serve.json", "server.log"]}
 
 

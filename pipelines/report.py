@@ -30,7 +30,7 @@ PNG_KEY = "kvsteward"
 FIGURES = ("accuracy_vs_distance", "resident_kv", "manager_arms", "serving")
 TEST_SETS = {"manager": "in-distribution test split", "heldout": "held-out environment",
              "manager_imported": "imported trace file"}
-ARM_LABELS = {"adapter": "LoRA manager (served)", "base": "base model", "delete_all_read": "delete all read",
+ARM_LABELS = {"adapter": "LoRA manager", "base": "base model", "delete_all_read": "delete all read",
               "keep_last_k": "keep last K", "text_classifier": "bag of words", "lexical_overlap": "lexical overlap",
               "structure": "structure (trees)", "attention_mass": "attention mass"}
 
@@ -91,8 +91,9 @@ def f1_interval(tp: int, fp: int, fn: int, draws: int = 2000, seed: int = 0) -> 
     return vals[int(0.025 * (draws - 1))], vals[int(0.975 * (draws - 1))]
 
 
-def manager_rows(result: dict) -> list[dict]:
-    """One row per arm of a `steward eval manager --json` result: F1 and harmful rate with their intervals."""
+def manager_rows(result: dict, served: str = "adapter") -> list[dict]:
+    """One row per arm of a `steward eval manager --json` result: F1 and harmful rate with their intervals;
+    `served`: the arm the run serves (the `choose` stage's winner; the adapter without one), marked and labelled."""
     arms = result.get("arms") or [a for a in ("base", "adapter") if a in result]
     rows = []
     for arm in arms:
@@ -107,7 +108,8 @@ def manager_rows(result: dict) -> list[dict]:
         f1 = _num(rec.get("f1")) or 0.0
         lo, hi = f1_interval(tp, fp, fn) if (tp + fp + fn) else (0.0, 1.0)
         ci = rec.get("harmful_rate_ci95") or list(wilson(harmful, deleted))
-        rows.append({"arm": arm, "label": ARM_LABELS.get(arm, arm), "served": arm == "adapter", "f1": f1,
+        label = ARM_LABELS.get(arm, arm) + (" (served)" if arm == served else "")
+        rows.append({"arm": arm, "label": label, "served": arm == served, "f1": f1,
                      "f1_ci95": [lo, hi], "harmful_rate": _num(rec.get("harmful_rate")), "harmful_rate_ci95": ci,
                      "deleted": deleted, "harmful": harmful, "tp": tp, "fp": fp, "fn": fn,
                      "precision": p, "recall": r})
@@ -401,7 +403,9 @@ def build_report(run_dir: Path, mlflow_log: bool = True) -> dict:
                   _table(["arm", "at tokens", "resident slots", "resident KV MiB"],
                          [[a, pts[-1]["tokens"], pts[-1]["resident"], pts[-1]["kv_mib"]] for a, pts in data.items()])]
 
-    sets = {name: manager_rows(res[name]) for name in TEST_SETS if res.get(name)}
+    choice = res.get("choose") or {}
+    served = choice.get("choice") or "adapter"
+    sets = {name: manager_rows(res[name], served) for name in TEST_SETS if res.get(name)}
     sets = {k: v for k, v in sets.items() if v}
     if sets:
         figures["manager_arms"] = run_dir / "manager_arms.png"
@@ -409,14 +413,22 @@ def build_report(run_dir: Path, mlflow_log: bool = True) -> dict:
         train = res.get("train") or {}
         cal = res.get("calibrate") or {}
         chosen = cal.get("chosen") or cal.get("choice") or {}
-        parts += ["<h2>Memory managers: the served LoRA manager beside the cheap baselines</h2>",
+        rule = (" (" + html.escape(json.dumps(chosen)) + ")") if chosen else ""
+        if choice:
+            what = (f"the manager chosen on validation traces: <b>{html.escape(ARM_LABELS.get(served, served))}</b> "
+                    f"({html.escape(choice.get('reason', ''))}), what <code>steward serve --manager "
+                    f"{html.escape(str(choice.get('manager_dir', 'DIR')))}</code> serves. The LoRA adapter this "
+                    "run trained" + (f" ({train.get('steps', train.get('max_steps', '?'))} steps)" if train else "")
+                    + f" ran with the decode rule chosen on the same traces{rule}")
+        else:
+            what = ("the LoRA adapter this run trained"
+                    + (f" ({train.get('steps', train.get('max_steps', '?'))} steps)" if train else "")
+                    + f", with the decode rule chosen on validation traces{rule}: what "
+                      "<code>steward serve --adapter</code> loads")
+        parts += ["<h2>Memory managers: the served manager beside the others</h2>",
                   "<p class=note>Every arm decides at the same boundaries of the same traces. The served manager "
-                  "(red) is the LoRA adapter this run trained"
-                  + (f" ({train.get('steps', train.get('max_steps', '?'))} steps)" if train else "")
-                  + ", with the decode rule chosen on validation traces"
-                  + (f" ({html.escape(json.dumps(chosen))})" if chosen else "")
-                  + ": what <code>steward serve --adapter</code> loads. F1: 95 % bootstrap over decisions; harmful "
-                    "rate (deleted responses a later step reads): 95 % Wilson over deletions.</p>",
+                  f"(red) is {what}. F1: 95 % bootstrap over decisions; harmful rate (deleted responses a later "
+                  "step reads): 95 % Wilson over deletions.</p>",
                   _img(figures["manager_arms"], "manager arms")]
         for name, rows in sets.items():
             parts += [f"<h3>{html.escape(TEST_SETS[name])} ({res[name].get('n_traces', '?')} traces)</h3>",

@@ -86,6 +86,19 @@ def test_report_renders_every_figure_with_the_runs_numbers(tmp_path):
         assert needle in page, needle
 
 
+def test_the_report_marks_the_manager_the_choose_stage_serves(tmp_path):
+    """With a `choose` stage the served (red, labelled) arm is its winner, not the adapter, and the page names the
+    folder `steward serve --manager` takes."""
+    choose = {"choice": "structure", "reason": "best validation F1: structure 0.700 (vs adapter 0.600)",
+              "manager_dir": "runs/x/choose-1/manager"}
+    built = build_report(_run(tmp_path, {"manager": MANAGER, "choose": choose}), mlflow_log=False)
+    rows = figure_data(built["figures"]["manager_arms"])["manager"]
+    assert [r["arm"] for r in rows if r["served"]] == ["structure"]
+    page = built["html"].read_text()
+    assert "structure (trees) (served)" in page and "LoRA manager (served)" not in page
+    assert "steward serve --manager runs/x/choose-1/manager" in page and "structure 0.700" in page
+
+
 def test_report_reads_the_newest_stages_without_an_index_and_skips_what_is_missing(tmp_path):
     _run(tmp_path, {"longsession": LONG}, index=False)
     assert set(load_run(tmp_path)) == {"longsession"}
