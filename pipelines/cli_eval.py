@@ -488,6 +488,11 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
                                                           "default: as the adapter was trained"),
               write: bool = typer.Option(True, "--write/--no-write", help="record the chosen bias in the adapter's "
                                                                         "kvsteward.json (the serving default)"),
+              rules: str = typer.Option("", help="fitted rules to play on the same replays (e.g. "
+                                                 "delete_all_read,structure): what `steward eval choose "
+                                                 "--calibration` compares the adapter with, without replaying"),
+              fit_envs: str | None = typer.Option(None, help="environments whose train traces fit --rules "
+                                                             "(default: those the adapter was trained on)"),
               workers: int = typer.Option(1, help="play traces in this many processes (each loads the model; "
                                                         "results as with 1)"),
               journal: Path | None = typer.Option(None, help="JSONL file of finished traces: rerun with the same "
@@ -521,10 +526,19 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
         raise typer.BadParameter(f"--max-harm and --min-f1 are rates in [0, 1], got {max_harm} and {min_f1}")
     _check_aux_context(aux_context)
     _check_parallel(workers, journal)
+    from kvsteward.eval.manager.arms import RULES
+    from kvsteward.models import adapter_meta
+
+    rule_names = [r.strip() for r in rules.split(",") if r.strip()]
+    if unknown := [r for r in rule_names if r not in RULES]:
+        raise typer.BadParameter(f"--rules: unknown {unknown}; known: {', '.join(RULES)}")
     trs = _traces(data, traces, split, limit, env)
     if split == "test":
         console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice, "
                       "not the manager (use --split validation)")
+    fit_list = ([e.strip() for e in fit_envs.split(",") if e.strip()] if fit_envs is not None else
+                list(adapter_meta(adapter).get("train_envs") or []))
+    rule_arms, fitted = _rule_arms(rule_names, data, None, "f1", fit_list, every)
     with console.status(f"loading {model} ..."):
         engine = Engine.load(model, adapter=str(adapter))
     recorded_context = engine.aux_context
@@ -532,7 +546,7 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
         engine.aux_context = aux_context
     try:
         result = sweep(engine, trs, bias_list, every=every, keep_unread=not delete_unread, progress=console.log,
-                       confidences=conf_list,
+                       confidences=conf_list, rules=rule_arms,
                        **_parallel(model, adapter, engine, workers, journal))
     except JournalError as e:
         raise typer.BadParameter(str(e)) from e
@@ -540,7 +554,8 @@ def calibrate(model: str = typer.Option("smollm2", help="`smollm2`, a local HF f
     out = {"close_bias": choice.close_bias, "min_confidence": choice.min_confidence, "chosen": choice.name,
            "met": choice.met, "reason": choice.reason, "adapter_dir": str(adapter), "split": split, **result,
            "by_bias": {str(b): s for b, s in result["by_bias"].items()},
-           "by_confidence": {str(c): s for c, s in result["by_confidence"].items()}, "written": write}
+           "by_confidence": {str(c): s for c, s in result["by_confidence"].items()}, "written": write,
+           "rule_settings": {n: fitted[n].points for n in rule_names}, "fit_envs": fit_list}
     if write:
         record(adapter, choice, result, split, max_harm, min_f1)
         if engine.aux_context != recorded_context:
@@ -581,7 +596,8 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
                                                           "those the adapter was trained on, all without one)"),
            max_harm: float = typer.Option(1.0, help="only arms with harmful rate <= this compete (1: all)"),
            calibration: Path | None = typer.Option(None, help="`steward eval calibrate --json` output on the same "
-                                                              "traces: the adapter's numbers are read from it, "
+                                                              "traces: the adapter's numbers (and those of the "
+                                                              "rules it played with --rules) are read from it, "
                                                               "not replayed"),
            out: Path = typer.Option(..., help="the manager folder to write (`steward serve --manager OUT`)"),
            workers: int = typer.Option(1, help="play traces in this many processes"),
@@ -607,10 +623,11 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
     if not 0.0 <= max_harm <= 1.0:
         raise typer.BadParameter(f"--max-harm is a rate in [0, 1], got {max_harm}")
     _check_parallel(workers, journal)
-    adapter_summary = None
+    cal, adapter_summary = None, None
     if calibration is not None:
         try:
-            adapter_summary = calibrated_summary(_calibration_record(calibration))
+            cal = _calibration_record(calibration)
+            adapter_summary = calibrated_summary(cal)
         except (OSError, KeyError, ValueError) as e:
             raise typer.BadParameter(f"--calibration {calibration}: {e}") from e
     if adapter is not None:
@@ -623,19 +640,32 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
     if split == "test":
         console.print("[yellow]warning:[/yellow] choosing on the test split: its numbers then measure the choice")
     trs = _traces(data, None, split, limit, env)
+    if cal is not None and (cal.get("task_ids", [t.task_id for t in trs]) != [t.task_id for t in trs]
+                            or cal.get("every", every) != every):
+        raise typer.BadParameter(f"--calibration {calibration} was played on other traces or another --every: give "
+                                 "choose the calibration's --split, --env, --limit and --every")
     fit_list = ([e.strip() for e in fit_envs.split(",") if e.strip()] if fit_envs is not None else
                 list(adapter_meta(adapter).get("train_envs") or []) if adapter else [])
     rules, fitted = _rule_arms([a for a in wanted if a != "adapter"], data, None, "f1", fit_list, every)
+    # a rule the calibration already played on these traces, fitted to the same setting, is read, not replayed
+    played = (cal or {}).get("rules") or {}
+    settings = (cal or {}).get("rule_settings") or {}
+    reused = {a: played[a] for a in rules
+              if a in played and settings.get(a) == json.loads(json.dumps(fitted[a].points))}
+    to_play = {a: arm for a, arm in rules.items() if a not in reused}
     play_adapter = "adapter" in wanted and adapter_summary is None
-    with console.status(f"loading {model} ..."):
-        engine = load_engine(model, str(adapter) if adapter else None)
-    try:
-        result = evaluate(engine, trs, every=every, arms=("adapter",) if play_adapter else (), progress=console.log,
-                          close_bias={"adapter": engine.close_bias},
-                          min_confidence={"adapter": engine.min_confidence}, rules=rules,
-                          **_parallel(model, adapter, engine, workers, journal))
-    except JournalError as e:
-        raise typer.BadParameter(str(e)) from e
+    result = {}
+    if to_play or play_adapter:
+        with console.status(f"loading {model} ..."):
+            engine = load_engine(model, str(adapter) if adapter else None)
+        try:
+            result = evaluate(engine, trs, every=every, arms=("adapter",) if play_adapter else (),
+                              progress=console.log, close_bias={"adapter": engine.close_bias},
+                              min_confidence={"adapter": engine.min_confidence}, rules=to_play,
+                              **_parallel(model, adapter, engine, workers, journal))
+        except JournalError as e:
+            raise typer.BadParameter(str(e)) from e
+    result |= reused
     validation = {a: result[a] for a in wanted if a in result}
     if "adapter" in wanted and adapter_summary is not None:
         validation["adapter"] = adapter_summary
@@ -645,7 +675,8 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
         raise typer.BadParameter(str(e)) from e
     record = {"reason": reason, "split": split, "envs": sorted({t.env for t in trs}), "n_traces": len(trs),
               "every": every, "fit_envs": fit_list, "max_harm": max_harm, "validation": validation,
-              "adapter_source": "calibration" if adapter_summary is not None else "replayed",
+              "sources": {a: "calibration" if a in reused or (a == "adapter" and adapter_summary is not None)
+                          else "replayed" for a in validation},
               "data": str(data), "model": model}
     save_choice(out, winner, fitted, str(adapter) if adapter else None, record)
     body = {"choice": winner, "manager_dir": str(out), **record}

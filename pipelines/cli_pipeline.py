@@ -64,8 +64,8 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
         mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow"),
         as_json: bool = typer.Option(False, "--json")) -> None:
     """Run every stage (or resume: finished stages with the same inputs are skipped): traces → hindsight (+ audit)
-    → train → calibrate → the manager against the baselines on the in-distribution test split, the held-out
-    environment and an imported trace file → the long-session benchmark."""
+    → train → calibrate → choose (the served manager, on validation) → the manager against the baselines on the
+    in-distribution test split, the held-out environment and an imported trace file → the long-session benchmark."""
     from kvsteward.pipelines.pipeline import PipelineConfig, run_pipeline
 
     cfg = PipelineConfig(model=model, envs=envs, holdout_env=holdout_env, tasks=tasks, seed=seed,

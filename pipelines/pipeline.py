@@ -134,24 +134,30 @@ def _train_stage(cfg: PipelineConfig) -> Stage:
         "--save-steps", str(max(1, cfg.train_steps // 4)), "--out", str(out), "--resume", "--json"])
 
 
+CHOICE_RULES = "delete_all_read,structure"  # what the adapter must beat to be served
+
+
 def _calibrate_stage(cfg: PipelineConfig) -> Stage:
     # chosen on the validation traces of the training environments: never on a test set
     params = {"traces": cfg.calibrate_traces, "every": cfg.every, "biases": cfg.biases,
-              "confidences": cfg.confidences, "max_harm": cfg.max_harm, "envs": cfg.train_envs()}
+              "confidences": cfg.confidences, "max_harm": cfg.max_harm, "envs": cfg.train_envs(),
+              "rules": CHOICE_RULES}  # played on the same replays: the choose stage reads them
     return Stage("calibrate", params, ["hindsight", "train"], lambda out, up: [
         "eval", "calibrate", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
         str(up["hindsight"] / "ds"), "--split", "validation", "--env", ",".join(cfg.train_envs()), "--every",
         str(cfg.every), "--limit", str(cfg.calibrate_traces), "--biases", cfg.biases, "--confidences",
-        cfg.confidences, "--max-harm", str(cfg.max_harm), "--min-f1", "0", "--workers", str(cfg.workers),
-        "--journal", str(out / "traces.jsonl"), "--json"])
+        cfg.confidences, "--max-harm", str(cfg.max_harm), "--min-f1", "0", "--rules", CHOICE_RULES, "--fit-envs",
+        ",".join(cfg.train_envs()), "--workers", str(cfg.workers), "--journal", str(out / "traces.jsonl"),
+        "--json"])
 
 
 def _choose_stage(cfg: PipelineConfig) -> Stage:
-    """The manager to serve, chosen on the same validation traces as the decode rule: the calibrated adapter (its
-    numbers read from the calibration) against the fitted rules (`steward eval choose`)."""
+    """The manager to serve, chosen on the same validation traces as the decode rule: the calibrated adapter against
+    the fitted rules (`steward eval choose`), every number read from the calibration, which played the rules on its
+    replays (without a calibration stage the choice replays them itself)."""
     traces = cfg.calibrate_traces or cfg.manager_traces
     params = {"traces": traces, "every": cfg.every, "envs": cfg.train_envs(), "max_harm": cfg.max_harm,
-              "arms": "delete_all_read,structure,adapter"}
+              "arms": CHOICE_RULES + ",adapter"}
     upstream = ["hindsight", "train", *(["calibrate"] if cfg.calibrate_traces else [])]
     return Stage("choose", params, upstream, lambda out, up: [
         "eval", "choose", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
@@ -231,7 +237,7 @@ def _ints(text: str) -> list[int]:
 
 def stages(cfg: PipelineConfig) -> list[Stage]:
     """In the order they run: the engine self-check, the long-session benchmark (and its residency trace), the
-    manager's synth → train → calibrate → three test sets, then a round trip through the server."""
+    manager's synth → train → calibrate → choose → three test sets, then a round trip through the server."""
     train_envs = ",".join(cfg.train_envs())
     out = [_engine_stage(cfg)] if cfg.engine_tokens else []
     out.append(_longsession_stage(cfg))
@@ -295,12 +301,13 @@ def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
         return 10 + 0.4 * cfg.tasks * n_envs
     if st.name == "train":
         return LOAD_S + 20 + p["steps"] * p["batch_size"] * 7.0 * (p["max_len"] / 1024) ** 1.2
-    if st.name == "calibrate":
+    if st.name == "calibrate":  # the reference, each bias and threshold, each rule: one replay per trace each
         per = -(-p["traces"] // max(1, cfg.workers))
-        return LOAD_S + per * 45 * len(p["biases"].split(","))
-    if st.name == "choose":  # two rule replays per trace (the adapter's numbers come from the calibration)
+        arms = len(p["biases"].split(",")) + len([c for c in p["confidences"].split(",") if c]) + 2
+        return LOAD_S + per * 20 * (arms + 1)
+    if st.name == "choose":  # the calibration played every arm: a fit and a choice (else three replays per trace)
         per = -(-p["traces"] // max(1, cfg.workers))
-        return LOAD_S + 10 + per * (12 * 3 + 15)
+        return 15.0 if cfg.calibrate_traces else LOAD_S + 10 + per * (12 * 3 + 15)
     if st.name in ("manager", "heldout", "manager_imported"):
         n_arms = len(cfg.manager_arms.split(",")) if cfg.manager_arms else 8
         return LOAD_S + 10 + rounds * (12 * (n_arms + 1) + 15)

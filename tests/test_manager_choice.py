@@ -217,3 +217,53 @@ def _flat(text: str) -> str:
     import re
 
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+def test_choose_reads_the_rules_the_calibration_played_and_refuses_other_traces(traces, tiny_folder, tmp_path,
+                                                                                monkeypatch):
+    """With `--calibration` holding the rules' summaries on the same traces at the same fitted setting, choose replays
+    nothing (the model is never loaded); a rule fitted to another setting is replayed; a calibration played on
+    other traces is refused by name."""
+    from typer.testing import CliRunner
+
+    import kvsteward.eval.manager.evaluate as ev
+    from kvsteward.pipelines.cli import app
+    from kvsteward.synth.traces.trace import read_traces
+
+    every, limit = 2, 2
+    train = [t for t in read_traces(traces / "t") if t.split == "train"]
+    fitted = fit_on_traces(train, every, ["delete_all_read", "structure"])
+    r = CliRunner().invoke(app, ["eval", "choose", "--model", str(tiny_folder), "--data", str(traces / "ds"),
+                                 "--every", str(every), "--limit", str(limit), "--arms", "delete_all_read,structure",
+                                 "--out", str(tmp_path / "ref"), "--no-mlflow", "--json"])
+    assert r.exit_code == 0, r.output
+    ref = json.loads(r.stdout.strip().splitlines()[-1])
+    summaries = {a: ref["validation"][a] | {"f1": f} for a, f in (("delete_all_read", 0.9), ("structure", 0.2))}
+    cal = {"close_bias": 0.0, "min_confidence": None, "by_bias": {"0.0": _summary(0.1)}, "by_confidence": {},
+           "every": every, "task_ids": None, "rules": summaries,
+           "rule_settings": json.loads(json.dumps({a: b.points for a, b in fitted.items()}))}
+    from kvsteward.pipelines.cli_eval import _traces
+
+    cal["task_ids"] = [t.task_id for t in _traces(traces / "ds", None, "validation", limit, "")]
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    loads = []
+    real_load = ev.load_engine
+    monkeypatch.setattr(ev, "load_engine", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    args = ["eval", "choose", "--model", str(tiny_folder), "--data", str(traces / "ds"), "--every", str(every),
+            "--limit", str(limit), "--arms", "delete_all_read,structure", "--calibration", str(tmp_path / "cal.json"),
+            "--no-mlflow", "--json"]
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    body = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not loads and body["choice"] == "delete_all_read"  # the calibration's numbers, not a replay's
+    assert body["sources"] == {"delete_all_read": "calibration", "structure": "calibration"}
+    cal["rule_settings"]["structure"] = {"f1": None, "safe": None}  # another fit: structure is replayed
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "m2")])
+    body = json.loads(r.stdout.strip().splitlines()[-1])
+    assert loads and body["sources"] == {"delete_all_read": "calibration", "structure": "replayed"}
+    assert body["validation"]["structure"]["f1"] == ref["validation"]["structure"]["f1"]
+    cal["task_ids"] = cal["task_ids"][:1]
+    (tmp_path / "cal.json").write_text(json.dumps(cal))
+    bad = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "m3")])
+    assert bad.exit_code == 2 and "played on other traces" in _flat(bad.output)

@@ -143,3 +143,20 @@ def test_scores_refusals():
         dsm.HindsightConfig(pack=True, trigger="scores").validate()
     with pytest.raises(ValueError, match="needs the context's messages"):
         hs.delete_trigger([3], None, "scores")
+
+
+def test_the_audit_reads_scores_rows_as_it_reads_list_rows(tok, traces):
+    """`decisions_from_split` over a `scores` dataset (rows end with the trigger, no assistant target) gives the same
+    decisions, labels included, as over the list-decoder dataset of the same traces and seed (the audit and the rule
+    fits of `steward synth hindsight --trigger scores` ran on that)."""
+    from kvsteward.synth.traces.decisions import decisions_from_split
+
+    def decisions(trigger):
+        dd = dsm.build_dataset(traces, tok, dsm.HindsightConfig(every=2, max_tokens=4096, trigger=trigger,
+                                                                plan=False))[0]
+        rows = [r for split in dd.values() for r in split if r["kind"] == "delete"]
+        return [(d.trace_id, d.boundary, d.cursor, d.label, d.structure) for d in decisions_from_split(rows)]
+
+    scores = decisions("scores")
+    assert scores and scores == decisions("ids")
+    assert {label for *_, label, _ in scores} == {True, False}

@@ -96,7 +96,8 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
     assert t["--adapter-scope"] == "aux" and t["--aux-context"] == "full" and "--skip-trivial" in raw
     assert "--pack" in args("hindsight")[1]
     c, _ = args("calibrate")
-    assert c["--split"] == "validation" and c["--env"] == "research,support"
+    assert c["--split"] == "validation" and c["--env"] == c["--fit-envs"] == "research,support"
+    assert c["--rules"] == "delete_all_read,structure"  # played on the calibration's replays, read by choose
     ch, raw = args("choose")  # chosen on the calibration's validation traces, never on a test set
     assert ch["--split"] == "validation" and ch["--env"] == ch["--fit-envs"] == "research,support"
     assert ch["--calibration"] == str(tmp_path / "calibrate" / DONE) and ch["--limit"] == str(cfg.calibrate_traces)

@@ -59,20 +59,24 @@ def confidence_arm(confidence: float) -> str:
 
 def sweep(engine: Engine, traces: list[Trace], biases: list[float], every: int = 4, max_aux_tokens: int = 48,
           keep_unread: bool = True, progress: Callable[[str], None] | None = None,
-          confidences: list[float] = (), **parallel) -> dict:
+          confidences: list[float] = (), rules: dict | None = None, **parallel) -> dict:
     """The adapter as memory manager at every close bias (greedy), and under the confidence rule at every threshold
     of `confidences` (close bias 0), each scored as `eval.manager.evaluate.evaluate` scores its adapter arm:
-    `{"by_bias": {bias: summary}, "by_confidence": {threshold: summary}, "uncompressed": {...}, ...}`. `parallel`:
-    `workers`, `engine_factory`, `journal`, `journal_key` of `eval.manager.evaluate.play`."""
+    `{"by_bias": {bias: summary}, "by_confidence": {threshold: summary}, "uncompressed": {...}, ...}`. `rules`
+    (name → `eval.manager.arms` rule arm) are played on the same replays too (`"rules": {name: summary}`): what
+    `steward eval choose` compares the adapter with, so the choice needs no second pass over the traces.
+    `parallel`: `workers`, `engine_factory`, `journal`, `journal_key` of `eval.manager.evaluate.play`."""
     biases = check_biases(biases)
     confidences = check_confidences(list(confidences))
+    rules = rules or {}
     arms = {arm_name(b): (True, b, None) for b in biases} | {confidence_arm(c): (True, 0.0, c) for c in confidences}
-    tallies = play(engine, traces, every, arms, max_aux_tokens=max_aux_tokens, progress=progress,
+    tallies = play(engine, traces, every, arms | rules, max_aux_tokens=max_aux_tokens, progress=progress,
                    keep_unread=keep_unread, **parallel)
     ref = tallies["uncompressed"]
     return {"by_bias": {b: summarize(tallies[arm_name(b)], ref) for b in biases},
             "by_confidence": {c: summarize(tallies[confidence_arm(c)], ref) for c in confidences},
-            "uncompressed": reference(ref),
+            "rules": {name: summarize(tallies[name], ref) for name in rules},
+            "uncompressed": reference(ref), "task_ids": [t.task_id for t in traces],
             "n_traces": len(traces), "every": every, "keep_unread": keep_unread, "aux_context": engine.aux_context}
 
 

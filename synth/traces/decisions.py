@@ -153,9 +153,12 @@ def row_decisions(row: dict[str, Any]) -> list[Decision]:
     """The decisions of one `delete` row: its context re-indexed (`indexed_context`), labels from its target."""
     msgs = json.loads(row["messages"])
     where = f"{row['task_id']} at {row['step']}"
-    if len(msgs) < 2:
-        raise DecisionError(f"{where}: a delete row needs its context, trigger and target messages")
-    context = indexed_context(msgs[:-2], int(row["step"]), row["masked_cursors"], where)
+    # a list-decoder row ends with the trigger and the assistant's target; a `scores` row with the trigger only
+    # (its labels sit at the trigger's slots; the target column holds the same deletion set)
+    tail = 2 if msgs and msgs[-1].get("role") == "assistant" else 1
+    if len(msgs) < tail + 1:
+        raise DecisionError(f"{where}: a delete row needs its context and trigger messages")
+    context = indexed_context(msgs[:-tail], int(row["step"]), row["masked_cursors"], where)
     target = set(json.loads(row["target"])["del_cursors"])
     cues = {int(k): v for k, v in json.loads(row.get("cues") or "{}").items()}
     out = decisions_at(context, row["open_cursors"], int(row["step"]), target.__contains__, row["task_id"],
