@@ -45,15 +45,16 @@ sglang-venv: $(SGL_STAMP)
 model: venv
 	$(VENV)/bin/steward models pull smollm2
 
-# The whole pipeline on the embedded model, sized for 15 minutes on 2 idle cores, installs included (README, "make
-# demo"): the engine's exactness self-check → a 2K-token long session under full / h2o / pace and the
+# The whole pipeline on the embedded model, sized toward 15 minutes on 2 idle cores, installs included (README,
+# "make demo"): the engine's exactness self-check → a 2K-token long session under full / h2o / pace and the
 # resident KV along it → agent traces of three environments → hindsight labels + shortcut audit → a short LoRA run on
-# two of them (MLflow) → decode rule chosen on validation → every manager arm on the in-distribution test split, the
-# held-out environment and an imported trace file → one round trip through `steward serve` with the OpenAI client →
+# two of them (MLflow) → decode rule and served manager chosen on validation → every manager arm on the
+# in-distribution test split, the held-out environment and an imported trace file (one trace each: the manager's
+# replays are most of the demo's time) → one round trip through `steward serve` with the OpenAI client →
 # runs/demo/report.html. The 8K result it cannot play in time is shipped (pipelines/reference/longsession-8k.json,
 # with its command and input hashes) and shown as such. Stages are cached under runs/demo: a second run only prints.
 DEMO_ARGS ?= --envs research,ops,support --holdout-env support --tasks 20 --every 2 --train-steps 4 --max-len 1536 \
-	--batch-size 1 --calibrate-traces 2 --biases 0 --confidences 0.9 --manager-traces 2 --workers 2 \
+	--batch-size 1 --calibrate-traces 1 --biases 0 --confidences "" --manager-traces 1 --workers 1 \
 	--manager-arms delete_all_read,structure,adapter \
 	--bench-length 2048 --bench-distances 1300 --bench-sessions 1 --bench-arms full,h2o,pace \
 	--budget 512 --chunk 256 --limit 1024 --engine-tokens 1024 --residency-arms full,pace
