@@ -333,6 +333,9 @@ def _arm_table(result: dict, arms: list[str]) -> None:
 @app.command()
 def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder, or a hub id"),
             adapter: Path | None = typer.Option(None, help="LoRA adapter folder (omit: no adapter arm)"),
+            scores_adapter: Path | None = typer.Option(None, help="a second adapter, trained on the scores trigger "
+                                                                  "(per-response decisions, as calibrated): its arm "
+                                                                  "`adapter_scores` beside the list adapter's"),
             data: Path = typer.Option(..., help="dataset from `steward synth hindsight` (its card names the traces; "
                                                 "its train split fits the cheap baselines)"),
             traces: Path | None = typer.Option(None, help="traces folder to evaluate on (default: the dataset card's "
@@ -397,7 +400,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         wanted = [a for a in wanted if a != "base"]
     if adapter is None:
         wanted = [a for a in wanted if a != "adapter"]
-    if not wanted:
+    if not wanted and scores_adapter is None:
         raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR" if not base else
                                  "--arms leaves no arm to evaluate")
     if point not in ("f1", "safe"):
@@ -410,6 +413,13 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         from kvsteward.models import check_adapter
 
         check_adapter(adapter)
+    if scores_adapter is not None:
+        from kvsteward.models import adapter_meta, check_adapter
+
+        check_adapter(scores_adapter)
+        if (trig := adapter_meta(scores_adapter)["trigger"]) != "scores":
+            raise typer.BadParameter(f"--scores-adapter {scores_adapter} was trained on the {trig!r} trigger, not "
+                                     "scores: pass it as --adapter")
     trs = _traces(data, traces, split, limit, env)
     if fit_envs is None:
         from kvsteward.models import adapter_meta
@@ -437,6 +447,19 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
                           **_parallel(model, adapter, engine, workers, journal))
     except JournalError as e:
         raise typer.BadParameter(str(e)) from e
+    if scores_adapter is not None:  # its own engine (one adapter per engine) and its own uncompressed replay
+        with console.status(f"loading {model} with {scores_adapter} ..."):
+            scorer = load_engine(model, str(scores_adapter), None)
+        scores_journal = journal.with_name(journal.stem + ".scores" + journal.suffix) if journal else None
+        try:
+            second = evaluate(scorer, trs, every=every, arms=("adapter",), progress=console.log,
+                              close_bias={"adapter": scorer.close_bias}, keep_unread=not delete_unread,
+                              min_confidence={"adapter": scorer.min_confidence},
+                              **_parallel(model, scores_adapter, scorer, workers, scores_journal))
+        except JournalError as e:
+            raise typer.BadParameter(str(e)) from e
+        result["adapter_scores"] = second["adapter"]
+        wanted.append("adapter_scores")
     result = {a: result[a] for a in wanted} | {k: v for k, v in result.items() if k not in wanted}
     result.update({"arms": wanted, "split": split, "envs": sorted({t.env for t in trs}),
                    "traces_source": str(traces) if traces else "dataset", "point": point, "fit_envs": fit_list,
@@ -449,6 +472,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
 
         with stage_run("manager-eval") as run:
             mlflow.log_params({"model": model, "adapter": str(adapter or ""), "data": str(data), "split": split,
+                               "scores_adapter": str(scores_adapter or ""),
                                "env": env, "traces_source": result["traces_source"], "arms": ",".join(wanted),
                                "every": every, "traces": len(trs), "point": point,
                                **{f"{arm}.close_bias": bias[arm] for arm in model_arms},

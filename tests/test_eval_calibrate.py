@@ -272,3 +272,29 @@ def test_a_recorded_confidence_rule_is_served_and_evaluated(tiny_folder, adapter
     res = _cli(["eval", "calibrate", "--data", str(tmp_path), "--no-mlflow", "--adapter", str(adapter_dir),
                 "--confidences", "0.9,1.2"])
     assert res.exit_code == 2 and "--confidences must be comma-separated probabilities" in res.output
+
+
+def test_eval_manager_reports_the_scores_adapter_beside_the_list_adapter(tiny_folder, adapter_dir, tmp_path):
+    """`--scores-adapter`: a per-response adapter's arm `adapter_scores` (its own engine and reference replay) beside
+    the list adapter's, with the contract's metrics; an adapter of another trigger is refused by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    scores = tmp_path / "s"
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    get_peft_model(base, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(scores)
+    (scores / ADAPTER_META).write_text('{"trigger": "scores", "adapter_scope": "aux", "min_confidence": 0.0001}')
+    traces = _traces_dir(tmp_path)
+    common = ["eval", "manager", "--model", str(tiny_folder), "--adapter", str(adapter_dir), "--data", str(tmp_path),
+              "--traces", str(traces), "--split", "validation", "--every", "2", "--limit", "1", "--no-mlflow",
+              "--json", "--arms", "adapter", "--no-base"]
+    res = _cli([*common, "--scores-adapter", str(scores)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["arms"] == ["adapter", "adapter_scores"]
+    for key in ("f1", "harmful_rate", "deleted", "peak_tokens_reduction", "n_decisions"):
+        assert key in out["adapter_scores"], key
+    # a threshold of 1e-4 on P(no): the per-response arm deletes every read response it decides on
+    assert out["adapter_scores"]["deleted"] == out["adapter_scores"]["n_decisions"] > 0
+    bad = _cli([*common, "--scores-adapter", str(adapter_dir)])
+    assert bad.exit_code == 2 and "not scores" in " ".join(bad.output.split())
