@@ -42,7 +42,9 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
         train_minutes: float = typer.Option(0.0, help="training wall-clock budget in minutes; 0 = none"),
         calibrate_traces: int = typer.Option(10, help="validation traces the aux decode rule is chosen on (0: no "
                                              "calibration stage)"),
-        biases: str = typer.Option("0,1"), confidences: str = typer.Option("0.8,0.9"),
+        biases: str = typer.Option("0,1"),
+        confidences: str = typer.Option("auto", help="calibration thresholds (auto: 0.8,0.9 for a list adapter, "
+                                                     "0.1,...,0.5 for --trigger scores; empty: none)"),
         max_harm: float = typer.Option(0.02, help="calibration target: harmful deletions / deletions"),
         manager_traces: int = typer.Option(10, help="traces per test set (in-distribution, held-out, imported)"),
         attention_fit: int = typer.Option(6, help="validation traces that choose the attention-mass threshold"),

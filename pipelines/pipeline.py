@@ -54,7 +54,7 @@ class PipelineConfig:
     train_minutes: float = 0.0
     calibrate_traces: int = 10  # validation traces the decode rule is chosen on (0: no calibration stage)
     biases: str = "0,1"
-    confidences: str = "0.8,0.9"
+    confidences: str = "auto"  # thresholds the calibration sweeps ("auto": by trigger, `calibration_confidences`)
     max_harm: float = 0.02
     manager_traces: int = 10  # per test set (in-distribution, held-out environment, imported)
     attention_fit: int = 6
@@ -72,6 +72,14 @@ class PipelineConfig:
     chunk: int = 256
     limit: int = 1024
     extra: dict = field(default_factory=dict)
+
+    def calibration_confidences(self) -> str:
+        """The calibration's threshold grid: given, or by trigger — the list decoder's confidence rule sits high
+        (0.8, 0.9); a `scores` adapter's P(no) mostly below 0.5 (a quarter of its labels are "no": a first run put
+        every response between 0.2 and 0.3, docs/results/2026-12-05-manager-scores-adapter)."""
+        if self.confidences != "auto":
+            return self.confidences
+        return "0.1,0.2,0.3,0.4,0.5" if self.trigger == "scores" else "0.8,0.9"
 
     def env_list(self) -> list[str]:
         return [e.strip() for e in self.envs.split(",") if e.strip()]
@@ -140,14 +148,14 @@ CHOICE_RULES = "delete_all_read,structure"  # what the adapter must beat to be s
 def _calibrate_stage(cfg: PipelineConfig) -> Stage:
     # chosen on the validation traces of the training environments: never on a test set
     params = {"traces": cfg.calibrate_traces, "every": cfg.every, "biases": cfg.biases,
-              "confidences": cfg.confidences, "max_harm": cfg.max_harm, "envs": cfg.train_envs(),
+              "confidences": cfg.calibration_confidences(), "max_harm": cfg.max_harm, "envs": cfg.train_envs(),
               "rules": CHOICE_RULES}  # played on the same replays: the choose stage reads them
     return Stage("calibrate", params, ["hindsight", "train"], lambda out, up: [
         "eval", "calibrate", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
         str(up["hindsight"] / "ds"), "--split", "validation", "--env", ",".join(cfg.train_envs()), "--every",
         str(cfg.every), "--limit", str(cfg.calibrate_traces), "--biases", cfg.biases, "--confidences",
-        cfg.confidences, "--max-harm", str(cfg.max_harm), "--min-f1", "0", "--rules", CHOICE_RULES, "--fit-envs",
-        ",".join(cfg.train_envs()), "--workers", str(cfg.workers), "--journal", str(out / "traces.jsonl"),
+        cfg.calibration_confidences(), "--max-harm", str(cfg.max_harm), "--min-f1", "0", "--rules", CHOICE_RULES,
+        "--fit-envs", ",".join(cfg.train_envs()), "--workers", str(cfg.workers), "--journal", str(out / "traces.jsonl"),
         "--json"])
 
 
