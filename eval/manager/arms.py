@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvsteward.serve.manager.decode import PREFIX, AuxDecision
-from kvsteward.serve.manager.rule import RuleManager
+from kvsteward.serve.manager.decode import AuxDecision
+from kvsteward.serve.manager.rule import RuleManager, rule_decision
 from kvsteward.synth.traces.baselines import SAFE_HARMFUL, Baseline, choose, sweep
 from kvsteward.synth.traces.hindsight import boundaries, expired, unread_cursors
 from kvsteward.synth.traces.trace import Trace
@@ -31,11 +31,6 @@ SESSION = {"policy": "h2o", "budget": 1 << 40}
 ARM_NAMES = ("base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure",
              "attention_mass", "adapter")
 RULES = ("delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure")
-
-
-def _decision(deleted: set[int]) -> AuxDecision:
-    ids = sorted(deleted)
-    return AuxDecision(ids, PREFIX + " " + json.dumps(ids) + "}", 0)
 
 
 @dataclass
@@ -86,11 +81,11 @@ class AttentionArm:
 
     def decide(self, session, messages: list[dict], open_cursors: list[int]) -> AuxDecision:
         if self.threshold is None:
-            return _decision(set())
+            return rule_decision(set())
         unread = set(unread_cursors(messages))
         read = [c for c in open_cursors if c not in unread]
         mass = attention_mass(session, read)
-        return _decision({c for c in read if mass[c] <= self.threshold})
+        return rule_decision({c for c in read if mass[c] <= self.threshold})
 
 
 def attention_decisions(engine, trace: Trace, every: int) -> list[tuple[float, bool]]:
