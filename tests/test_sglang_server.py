@@ -94,6 +94,21 @@ def generate(url, body, n=8, timeout=300):
     return r.json()
 
 
+def generate_concurrently(url, cases, n, timeout=300) -> dict[int, list]:
+    """Every (messages, cache) case as its own `/generate` request, all in flight at once: output ids by case."""
+    results: dict[int, list] = {}
+
+    def worker(k):
+        results[k] = generate(url, request_fields(*cases[k]), n=n, timeout=timeout)["output_ids"]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(cases))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=timeout)
+    return results
+
+
 def msg(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
@@ -244,16 +259,7 @@ def test_a_batch_of_concurrent_mixed_requests(served):
     cases = [([E, A, B, C, D], None), ([E, A, B, C, D], {"drop": {"3": [1]}}),
              ([E, A, B, C, D], {"drop": {"3": [2]}, "reposition": [3]}), ([E, A, B, C, D], {"drop": {"3": [1, 2]}}),
              ([E, B, D], None), ([E, A, B, C, E], {"drop": {"3": [3]}, "reposition": [3]})]
-    results: dict[int, list] = {}
-
-    def worker(k):
-        results[k] = generate(server.url, request_fields(*cases[k]), n=12)["output_ids"]
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(cases))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=300)
+    results = generate_concurrently(server.url, cases, 12)
     for k, (messages, cache) in enumerate(cases):
         assert results[k] == engine_tokens(engine, messages, cache, 12), k
 
@@ -275,17 +281,8 @@ def test_retraction_under_memory_pressure(served):
         generate(server.url, request_fields([p, q, msg(202 + 1000 * burst, 2)]), n=1)
         ops = [{"drop": {"1": [1]}}, {"drop": {"1": [1]}, "reposition": [1]}, None, {"drop": {"1": [0]}}]
         cases = [([p, q, msg(300 + 1000 * burst + k, 10)], ops[k % 4]) for k in range(8)]
-        results: dict[int, list] = {}
-
-        def worker(k, cases=cases, results=results):
-            results[k] = generate(server.url, request_fields(*cases[k]), n=n, timeout=600)["output_ids"]
-
         before = log.read_text(errors="replace").count("#retracted_reqs")
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(cases))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=600)
+        results = generate_concurrently(server.url, cases, n, timeout=600)
         for k, (messages, cache) in enumerate(cases):
             assert results[k] == engine_tokens(engine, messages, cache, n), (burst, k)
         if log.read_text(errors="replace").count("#retracted_reqs") > before:
