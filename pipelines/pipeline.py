@@ -64,8 +64,10 @@ class PipelineConfig:
     bench_sessions: int = 1
     bench_arms: str = "h2o,pace"
     engine_tokens: int = 2048  # `steward engine check`'s budget run length (0: no engine self-check stage)
-    residency_arms: str = "full,h2o,pace"  # resident KV vs session length, per arm ("" : no residency stage)
-    residency_length: int = 0  # the session the residency stage traces (0: --bench-length)
+    # resident KV vs session length, per arm ("": none). Arms of --bench-arms at --bench-length come from the
+    # long-session stage's own plays; a separate residency stage traces only what that stage does not play.
+    residency_arms: str = "full,h2o,pace"
+    residency_length: int = 0  # the session the residency trace follows (0: --bench-length)
     serve_check: bool = True  # one OpenAI-client round trip through `steward serve` (a turn, a drop, a reposition)
     manager_arms: str = ""  # `steward eval manager --arms` ("" : the command's default set)
     budget: int = 512
@@ -215,11 +217,20 @@ def _engine_stage(cfg: PipelineConfig) -> Stage:
 def _longsession_stage(cfg: PipelineConfig) -> Stage:
     return Stage("longsession", {"length": cfg.bench_length, "distances": cfg.bench_distances,
                                  "arms": cfg.bench_arms, "sessions": cfg.bench_sessions, "budget": cfg.budget,
-                                 "chunk": cfg.chunk, "limit": cfg.limit, "model": cfg.model}, [],
+                                 "chunk": cfg.chunk, "limit": cfg.limit, "model": cfg.model,
+                                 "resident_series": True}, [],
                  lambda out, up: ["eval", "longsession", "--model", cfg.model, "--arms", cfg.bench_arms, "--length",
                                   str(cfg.bench_length), "--distances", cfg.bench_distances, "--sessions",
                                   str(cfg.bench_sessions), "--budget", str(cfg.budget), "--chunk", str(cfg.chunk),
                                   "--limit", str(cfg.limit), "--no-code", "--out", str(out), "--json"])
+
+
+def residency_stage_needed(cfg: PipelineConfig) -> bool:
+    """A separate residency stage runs only for arms or a length the long-session stage does not play (its plays
+    record every arm's resident KV after each context message already)."""
+    arms = {a for a in cfg.residency_arms.split(",") if a}
+    length = cfg.residency_length or cfg.bench_length
+    return bool(arms) and (bool(arms - set(cfg.bench_arms.split(","))) or length != cfg.bench_length)
 
 
 def _residency_stage(cfg: PipelineConfig) -> Stage:
@@ -249,7 +260,7 @@ def stages(cfg: PipelineConfig) -> list[Stage]:
     train_envs = ",".join(cfg.train_envs())
     out = [_engine_stage(cfg)] if cfg.engine_tokens else []
     out.append(_longsession_stage(cfg))
-    if cfg.residency_arms:
+    if residency_stage_needed(cfg):
         out.append(_residency_stage(cfg))
     out += [_traces_stage(cfg), _hindsight_stage(cfg), _train_stage(cfg)]
     tested = ["hindsight", "train"]

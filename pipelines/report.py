@@ -7,7 +7,8 @@ stage is there:
 
 - `accuracy_vs_distance.png`: long-session forced-prefix accuracy per arm against the definition → probe distance
   (95 % Wilson intervals over the probes of each cell);
-- `resident_kv.png`: resident KV (MiB, and slots) against session length per arm (`residency` stage);
+- `resident_kv.png`: resident KV (MiB, and slots) against session length per arm (the `residency` stage, else the
+  long-session stage's own plays);
 - `manager_arms.png`: every manager arm's deletion F1 and harmful rate on each test set, the served manager
   marked (F1: 95 % bootstrap over the decisions; harmful rate: Wilson over the deletions);
 - `serving.png`: the `steward serve` round trip, the same conversation served with its whole cache and after a
@@ -207,6 +208,19 @@ def plot_accuracy(ls: dict | None, path: Path, reference: dict | None = None) ->
     return data
 
 
+def residency_of_longsession(result: dict | None) -> dict | None:
+    """The residency record (`steward pipeline residency`'s shape) from a long-session result's own plays: each
+    arm's `resident_series` (one session per arm), its peak and the run's B, H, L."""
+    arms = (result or {}).get("arms") or {}
+    series = {a: rec["resident_series"]["points"] for a, rec in arms.items() if rec.get("resident_series")}
+    if not series:
+        return None
+    cfg = result.get("config") or {}
+    return {"series": series, "peak_resident": {a: arms[a].get("peak_resident_slots") for a in series},
+            "budget": cfg.get("budget"), "chunk": cfg.get("chunk"), "limit": cfg.get("limit"),
+            "session": next(iter(arms[a]["resident_series"]["session"] for a in series))}
+
+
 def plot_residency(res: dict, path: Path) -> dict:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -392,7 +406,7 @@ def build_report(run_dir: Path, mlflow_log: bool = True) -> dict:
                              [[a, rec.get("peak_resident_slots"), rec.get("wall_s"),
                                _paired((result.get("paired") or {}).get(a))] for a, rec in result["arms"].items()])]
 
-    resid = res.get("residency")
+    resid = res.get("residency") or residency_of_longsession(ls)
     if resid and resid.get("series"):
         figures["resident_kv"] = run_dir / "resident_kv.png"
         data = plot_residency(resid, figures["resident_kv"])

@@ -32,12 +32,44 @@ def test_json_contract_and_sessions_file(tiny_folder, tmp_path):
     assert {"better", "worse", "tied", "p"} <= set(result["paired"]["pace"])
     assert (out / "journal.jsonl").exists() and (out / "report.md").exists()
 
+    _resident_series_is_the_sessions_own(result, tiny_folder, out / "sessions.jsonl")
+
     again = _steward(*common, "--sessions-file", str(out / "sessions.jsonl"), "--out", str(tmp_path / "file"))
     assert again.returncode == 0, again.stderr[-2000:]
     replayed = json.loads(again.stdout.strip().splitlines()[-1])
     for arm in ("h2o", "pace"):  # the same sessions through the same deterministic engine: the same numbers
         a, b = replayed["arms"][arm]["by_distance"], result["arms"][arm]["by_distance"]
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+    resumed = _steward(*common, "--sessions-file", str(out / "sessions.jsonl"), "--out", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for arm in ("h2o", "pace"):  # every pair from the journal: its resident series too
+        assert json.loads(resumed.stdout)["arms"][arm]["resident_series"] == result["arms"][arm]["resident_series"]
+
+
+def _resident_series_is_the_sessions_own(result: dict, model_dir, sessions_file) -> None:
+    """Each arm's `resident_series` (what the report's resident-KV plot draws) is the resident KV after every
+    context message of the session, as a separate replay of the messages alone (the residency command's loop)
+    measures it; the budgeted arms stay within B + H."""
+    from kvsteward.eval.longsession.runner import RunConfig, _open_session
+    from kvsteward.serve.engine import Engine
+    from kvsteward.synth.chat import message_token_ids
+    from kvsteward.synth.longsession.schema import read_jsonl
+
+    engine = Engine.load(str(model_dir))
+    (sess,) = read_jsonl(sessions_file, engine.tokenizer)
+    cfg = RunConfig(arms=("h2o", "pace"), budget=128, chunk=64, limit=512, code=False)
+    messages = [m.model_dump() for m in sess.messages]
+    for arm in cfg.arms:
+        got = result["arms"][arm]["resident_series"]
+        assert got["session"] == sess.id and len(got["points"]) == len(messages)
+        s = _open_session(engine, arm, cfg, sess)
+        want = []
+        for msg, ids in zip(messages, message_token_ids(engine.tokenizer, messages), strict=True):
+            s.append(ids, kind=msg["role"], logits=None)
+            want.append({"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes()})
+        assert got["points"] == want
+        assert want[-1]["tokens"] > 1000 and max(p["resident"] for p in want) <= 128 + 64
 
 
 def test_engine_demo_runs_and_keeps_the_budget(tiny_folder):

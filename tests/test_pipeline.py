@@ -114,6 +114,24 @@ def test_a_held_out_environment_is_never_trained_or_calibrated_on(tmp_path):
         PipelineConfig(envs="ops", holdout_env="ops").check()
 
 
+@pytest.mark.parametrize("bench_arms, residency_arms, residency_length, separate", [
+    ("full,h2o,pace", "full,pace", 0, False),  # the demo: the long-session stage's plays carry the trace
+    ("full,h2o,pace", "full,h2o,pace", 2048, False),  # the same length, named
+    ("h2o,pace", "full,h2o,pace", 0, True),  # full is not played by the long-session stage
+    ("full,h2o,pace", "full", 8192, True),  # another length
+    ("full,h2o,pace", "", 0, False),  # none asked
+])
+def test_the_residency_stage_runs_only_for_what_the_long_session_does_not_play(bench_arms, residency_arms,
+                                                                               residency_length, separate):
+    from kvsteward.pipelines.pipeline import stages
+
+    cfg = PipelineConfig(bench_arms=bench_arms, bench_length=2048, residency_arms=residency_arms,
+                         residency_length=residency_length)
+    by = {s.name: s for s in stages(cfg)}
+    assert ("residency" in by) is separate
+    assert by["longsession"].params["resident_series"] is True  # its cache key changed with what it records
+
+
 def test_the_end_summary_lists_stage_times_outputs_report_and_mlflow(tmp_path, monkeypatch):
     """What `steward pipeline run` prints last: every stage's wall time and outputs, the report, the MLflow runs and
     the command that opens the MLflow UI on the store."""

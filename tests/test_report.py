@@ -99,6 +99,21 @@ def test_the_report_marks_the_manager_the_choose_stage_serves(tmp_path):
     assert "steward serve --manager runs/x/choose-1/manager" in page and "structure 0.700" in page
 
 
+def test_without_a_residency_stage_the_plot_reads_the_long_sessions_own_plays(tmp_path):
+    """The demo has no residency stage: each arm's `resident_series` in the long-session result is what the
+    resident-KV figure draws, with the arm's peak and the run's B, H, L."""
+    series = {"full": [1000, 2000, 4000], "pace": [768, 700, 768]}
+    arms = {arm: dict(LONG["arms"][arm], resident_series={"session": "s0", "points": [
+        {"tokens": t, "resident": r, "kv_bytes": r * 46080} for t, r in zip((1000, 2000, 4000), rs, strict=True)]})
+            for arm, rs in series.items()}
+    built = build_report(_run(tmp_path, {"longsession": dict(LONG, arms=dict(LONG["arms"], **arms))}),
+                         mlflow_log=False)
+    res = figure_data(built["figures"]["resident_kv"])
+    assert set(res) == {"full", "pace"}
+    assert [p["resident"] for p in res["pace"]] == [768, 700, 768] and res["full"][-1]["kv_mib"] == 4000 * 46080 / 2**20
+    assert "Resident KV vs session length" in built["html"].read_text()
+
+
 def test_report_reads_the_newest_stages_without_an_index_and_skips_what_is_missing(tmp_path):
     _run(tmp_path, {"longsession": LONG}, index=False)
     assert set(load_run(tmp_path)) == {"longsession"}

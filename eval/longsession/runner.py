@@ -106,6 +106,11 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
             "max_position": int(positions.max()) if positions.numel() else 0}
 
 
+def resident_point(s: EngineSession) -> dict:
+    """Where the session's KV stands now: tokens appended so far, resident slots, resident KV bytes."""
+    return {"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes()}
+
+
 def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
          on_message: Callable[[EngineSession], None] | None = None,
          blueprint: list[dict] | None = None,
@@ -183,8 +188,11 @@ def _by_fact(facts: list[ProbeRow]) -> dict[str, dict]:
     return out
 
 
-def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, int], cfg: RunConfig) -> dict:
-    """The benchmark JSON: per arm and distance, plus paired comparisons against the reference arm."""
+def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, int], cfg: RunConfig,
+              series: dict[str, dict] | None = None) -> dict:
+    """The benchmark JSON: per arm and distance, plus paired comparisons against the reference arm. `series` (arm →
+    {"session", "points"}) is each arm's resident KV after every context message of one session (`resident_series`
+    of the arm: the flat-vs-growing plot)."""
     by = defaultdict(lambda: defaultdict(list))
     for r in rows:
         by[r.arm][r.distance].append(r)
@@ -201,6 +209,8 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
                              "rotary_gap": scoring.mean([r.rotary_gap for r in facts]), "n": len(facts),
                              "by_fact": _by_fact(facts)}
         arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0)}
+        if series and arm in series:
+            arms[arm]["resident_series"] = series[arm]
     paired = {}
     if cfg.reference in cfg.arms:
         ref = {(r.session, r.probe): r.score for r in rows if r.arm == cfg.reference and r.kind == "fact"}
@@ -278,14 +288,15 @@ def read_journal(path: Path, cfg: RunConfig) -> dict[tuple[str, str], dict]:
             raise ValueError(f"{path} was written with config {rec['config']}, this run uses {_journal_key(cfg)}; "
                              "use another --out or delete the journal")
         done[(rec["session"], rec["arm"])] = {"rows": [ProbeRow(**r) for r in rec["rows"]],
-                                              "wall_s": rec["wall_s"], "peak": rec["peak"]}
+                                              "wall_s": rec["wall_s"], "peak": rec["peak"],
+                                              "series": rec.get("series")}
     return done
 
 
 def _append_journal(path: Path, cfg: RunConfig, sess: Session, arm: str, rows: list[ProbeRow], wall: float,
-                    peak: int) -> None:
+                    peak: int, series: list[dict] | None = None) -> None:
     rec = {"session": sess.id, "arm": arm, "config": _journal_key(cfg), "wall_s": wall, "peak": peak,
-           "rows": [asdict(r) for r in rows]}
+           "rows": [asdict(r) for r in rows], "series": series}
     with path.open("a") as f:  # one line per finished (session, arm): a crash loses at most the pair in flight
         f.write(json.dumps(rec) + "\n")
         f.flush()
@@ -314,32 +325,43 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
     rows: list[ProbeRow] = []
     walls: dict[str, float] = defaultdict(float)
     peaks: dict[str, int] = defaultdict(int)
+    series: dict[str, dict] = {}  # arm → resident KV along the first session that has it
     done = read_journals(journal, cfg) if journal else {}
     for i, sess in enumerate(sessions):
         for arm in cfg.arms:
             if (sess.id, arm) in done:
                 got, wall, peak = done[(sess.id, arm)]["rows"], done[(sess.id, arm)]["wall_s"], \
                     done[(sess.id, arm)]["peak"]
+                points = done[(sess.id, arm)]["series"]
             elif not play_missing:
                 continue
             else:
                 t0 = time.perf_counter()
                 if bar:
                     bar.start(f"session {i + 1}/{len(sessions)} D={sess.distance} {arm}", len(sess.messages))
-                got, peak = play(engine, sess, arm, cfg, on_message=(lambda _: bar.advance()) if bar else None,
+                points = []
+
+                def on_message(s: EngineSession, points: list[dict] = points) -> None:
+                    points.append(resident_point(s))
+                    if bar:
+                        bar.advance()
+
+                got, peak = play(engine, sess, arm, cfg, on_message=on_message,
                                  blueprint=plans[sess.id] if cfg.planner != "oracle" else None)
                 wall = time.perf_counter() - t0
                 if journal:
-                    _append_journal(journal, cfg, sess, arm, got, wall, peak)
+                    _append_journal(journal, cfg, sess, arm, got, wall, peak, points)
                 if progress:
                     acc = scoring.mean([r.score for r in got if r.kind == "fact"])
                     progress(f"session {i + 1}/{len(sessions)} (D={sess.distance}) {arm}: forced_acc={acc:.2f} "
                              f"residency={scoring.mean([r.residency for r in got if r.kind == 'fact']):.2f}")
             if bar:
                 bar.finish()
+            if points and arm not in series:
+                series[arm] = {"session": sess.id, "points": points}
             walls[arm] += wall
             peaks[arm] = max(peaks[arm], peak)
             rows += got
     if not rows:
         raise ValueError("no finished (session, arm) pair to summarize")
-    return summarize(rows, walls, peaks, cfg)
+    return summarize(rows, walls, peaks, cfg, series)
