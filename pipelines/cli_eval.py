@@ -299,6 +299,38 @@ def _rule_arms(names: list[str], data: Path, baselines: Path | None, point: str,
     return {n: RuleArm(n, fitted[n], point) for n in names}, fitted
 
 
+def _is_scores_adapter(adapter: Path) -> bool:
+    from kvsteward.models import adapter_meta
+
+    return adapter_meta(adapter)["trigger"] == "scores"
+
+
+def _stack_arm(scorer, data: Path, folder: Path | None, n_fit: int, fit_envs: list[str], every: int, point: str):
+    """The stacked head as an arm: read from `folder` when it holds one, else fitted on the scored decisions of
+    `n_fit` train traces of `fit_envs` (and written to `folder` when given)."""
+    from kvsteward.eval.manager.stack import StackArm, StackError, fit_stack
+    from kvsteward.synth.traces.baselines import load_baselines, save_baselines
+
+    if folder is not None and (folder / "baselines.json").is_file():
+        try:
+            head = load_baselines(folder)["stack"]
+        except (KeyError, ValueError) as e:
+            raise typer.BadParameter(f"--stack-head {folder}: no fitted stack head there ({e})") from None
+        return StackArm(head, point, record={"source": str(folder), "points": head.points})
+    if n_fit < 1:
+        raise typer.BadParameter(f"--stack-fit must be >= 1, got {n_fit}")
+    train = _traces(data, None, "train", n_fit, ",".join(fit_envs))
+    try:
+        head, decisions = fit_stack(scorer, train, every, progress=console.log)
+    except StackError as e:
+        raise typer.BadParameter(str(e)) from e
+    if folder is not None:
+        save_baselines({"stack": head}, folder)
+    record = {"source": str(folder) if folder else "fitted", "train_traces": len(train), "decisions": len(decisions),
+              "deletable_share": sum(bool(d.label) for d in decisions) / len(decisions), "points": head.points}
+    return StackArm(head, point, record=record)
+
+
 def _attention_arm(engine, data: Path, traces: Path | None, every: int, fit_traces: int, threshold: float | None,
                    point: str, envs: str):
     """The attention-mass arm, its threshold given or chosen on validation replays (`eval.manager.arms`)."""
@@ -347,7 +379,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             limit: int = typer.Option(10, help="at most this many traces"),
             arms: str = typer.Option(",".join(("base", "delete_all_read", "keep_last_k", "text_classifier",
                                                 "lexical_overlap", "structure", "attention_mass", "adapter")),
-                                     help="comma-separated arms (adapter only with --adapter)"),
+                                     help="comma-separated arms (adapter only with --adapter; stack, "
+                                          "structure + the per-response P(no), only with --scores-adapter)"),
             point: str = typer.Option("f1", help="the cheap baselines' operating point: f1 (best train F1) or safe "
                                                  "(best F1 with <= 2 % harmful on train)"),
             baselines: Path | None = typer.Option(None, help="fitted baselines folder (`steward eval choose`'s "
@@ -359,6 +392,11 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
             fit_envs: str | None = typer.Option(None, help="environments whose train / validation traces fit the "
                                                            "baselines and the attention threshold (default: those "
                                                            "the adapter was trained on, all without one)"),
+            stack_fit: int = typer.Option(20, help="train traces (of --fit-envs) whose scored decisions fit the "
+                                                   "stack head (arm `stack`: structure + the --scores-adapter's "
+                                                   "P(no))"),
+            stack_head: Path | None = typer.Option(None, help="folder of the fitted stack head: read from it when it "
+                                                              "holds one, else fitted and written there"),
             plan: bool = typer.Option(False, help="also score `Planning mode` blueprints"),
             base: bool = typer.Option(True, "--base/--no-base", help="also run the base model as the manager "
                                                                      "(--no-base: drop the base arm)"),
@@ -400,6 +438,13 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         wanted = [a for a in wanted if a != "base"]
     if adapter is None:
         wanted = [a for a in wanted if a != "adapter"]
+    stack = "stack" in wanted
+    # the stack reads a per-response adapter: --scores-adapter, or --adapter when that one is per-response
+    stack_on_main = stack and scores_adapter is None and adapter is not None and _is_scores_adapter(adapter)
+    if stack and scores_adapter is None and not stack_on_main:
+        raise typer.BadParameter("--arms stack stacks a per-response adapter's P(no) on the structure features: "
+                                 "give --scores-adapter DIR (or a scores-trigger --adapter)")
+    wanted = [a for a in wanted if a != "stack"]  # played on the scores adapter's engine, after the others
     if not wanted and scores_adapter is None:
         raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR" if not base else
                                  "--arms leaves no arm to evaluate")
@@ -424,7 +469,8 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     if fit_envs is None:
         from kvsteward.models import adapter_meta
 
-        fit_list = list(adapter_meta(adapter).get("train_envs") or []) if adapter else []
+        trained = adapter or scores_adapter
+        fit_list = list(adapter_meta(trained).get("train_envs") or []) if trained else []
     else:
         fit_list = [e.strip() for e in fit_envs.split(",") if e.strip()]
     rules, _ = _rule_arms([a for a in wanted if a in RULES], data, baselines, point, fit_list, every)
@@ -434,6 +480,9 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
     if "attention_mass" in wanted:  # chosen on the dataset's own validation traces of the fit environments
         rules["attention_mass"], attention_fit_record = _attention_arm(
             engine, data, None, every, attention_fit, attention_threshold, point, ",".join(fit_list))
+    if stack_on_main:
+        rules["stack"] = _stack_arm(engine, data, stack_head, stack_fit, fit_list, every, point)
+        wanted.append("stack")
     model_arms = tuple(a for a in wanted if a in ("base", "adapter"))
     # one bias for both arms when given; else the adapter's calibrated one for the adapter (the base model has none)
     bias = {arm: close_bias if close_bias is not None else engine.close_bias if arm == "adapter" else 0.0
@@ -451,15 +500,23 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         with console.status(f"loading {model} with {scores_adapter} ..."):
             scorer = load_engine(model, str(scores_adapter), None)
         scores_journal = journal.with_name(journal.stem + ".scores" + journal.suffix) if journal else None
+        stack_arm = ({"stack": _stack_arm(scorer, data, stack_head, stack_fit, fit_list, every, point)}
+                     if stack else {})
         try:
             second = evaluate(scorer, trs, every=every, arms=("adapter",), progress=console.log,
                               close_bias={"adapter": scorer.close_bias}, keep_unread=not delete_unread,
-                              min_confidence={"adapter": scorer.min_confidence},
+                              min_confidence={"adapter": scorer.min_confidence}, rules=stack_arm,
                               **_parallel(model, scores_adapter, scorer, workers, scores_journal))
         except JournalError as e:
             raise typer.BadParameter(str(e)) from e
         result["adapter_scores"] = second["adapter"]
         wanted.append("adapter_scores")
+        if stack:
+            result["stack"] = second["stack"]
+            result["stack_fit"] = stack_arm["stack"].record
+            wanted.append("stack")
+    if stack_on_main:
+        result["stack_fit"] = rules["stack"].record
     result = {a: result[a] for a in wanted} | {k: v for k, v in result.items() if k not in wanted}
     result.update({"arms": wanted, "split": split, "envs": sorted({t.env for t in trs}),
                    "traces_source": str(traces) if traces else "dataset", "point": point, "fit_envs": fit_list,
@@ -615,10 +672,15 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
            every: int = typer.Option(4, help="aux thread every K tool turns (as you will serve it)"),
            limit: int = typer.Option(10, help="at most this many traces"),
            arms: str = typer.Option("delete_all_read,structure,adapter",
-                                    help="the candidates (adapter only with --adapter)"),
+                                    help="the candidates (adapter only with --adapter; stack only with a "
+                                         "scores-trigger --adapter)"),
            fit_envs: str | None = typer.Option(None, help="environments whose train traces fit the rules (default: "
                                                           "those the adapter was trained on, all without one)"),
            max_harm: float = typer.Option(1.0, help="only arms with harmful rate <= this compete (1: all)"),
+           stack_fit: int = typer.Option(20, help="train traces whose scored decisions fit the stack head (arm "
+                                                  "`stack`: structure + the per-response --adapter's P(no))"),
+           stack_head: Path | None = typer.Option(None, help="folder of the fitted stack head: read from it when it "
+                                                             "holds one, else fitted and written there"),
            calibration: Path | None = typer.Option(None, help="`steward eval calibrate --json` output on the same "
                                                               "traces: the adapter's numbers (and those of the "
                                                               "rules it played with --rules) are read from it, "
@@ -640,6 +702,9 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
         raise typer.BadParameter(f"--arms: unknown {unknown}; the candidates are {', '.join(MANAGER_ARMS)}")
     if "adapter" in wanted and adapter is None:
         wanted.remove("adapter")
+    if "stack" in wanted and (adapter is None or not _is_scores_adapter(adapter)):
+        raise typer.BadParameter("--arms stack stacks a per-response adapter's P(no) on the structure features: "
+                                 "give a scores-trigger --adapter")
     if not wanted:
         raise typer.BadParameter("--arms leaves nothing to choose among")
     if split not in ("train", "validation", "test", "all"):
@@ -670,7 +735,8 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
                                  "choose the calibration's --split, --env, --limit and --every")
     fit_list = ([e.strip() for e in fit_envs.split(",") if e.strip()] if fit_envs is not None else
                 list(adapter_meta(adapter).get("train_envs") or []) if adapter else [])
-    rules, fitted = _rule_arms([a for a in wanted if a != "adapter"], data, None, "f1", fit_list, every)
+    rules, fitted = _rule_arms([a for a in wanted if a not in ("adapter", "stack")], data, None, "f1", fit_list,
+                               every)
     # a rule the calibration already played on these traces, fitted to the same setting, is read, not replayed
     played = (cal or {}).get("rules") or {}
     settings = (cal or {}).get("rule_settings") or {}
@@ -678,10 +744,13 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
               if a in played and settings.get(a) == json.loads(json.dumps(fitted[a].points))}
     to_play = {a: arm for a, arm in rules.items() if a not in reused}
     play_adapter = "adapter" in wanted and adapter_summary is None
-    result = {}
-    if to_play or play_adapter:
+    result, stack_record = {}, None
+    if to_play or play_adapter or "stack" in wanted:
         with console.status(f"loading {model} ..."):
             engine = load_engine(model, str(adapter) if adapter else None)
+        if "stack" in wanted:  # fitted on the train traces, played on the validation replays with the others
+            to_play["stack"] = _stack_arm(engine, data, stack_head, stack_fit, fit_list, every, "f1")
+            fitted["stack"], stack_record = to_play["stack"].head, to_play["stack"].record
         try:
             result = evaluate(engine, trs, every=every, arms=("adapter",) if play_adapter else (),
                               progress=console.log, close_bias={"adapter": engine.close_bias},
@@ -701,7 +770,7 @@ def choose(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fold
               "every": every, "fit_envs": fit_list, "max_harm": max_harm, "validation": validation,
               "sources": {a: "calibration" if a in reused or (a == "adapter" and adapter_summary is not None)
                           else "replayed" for a in validation},
-              "data": str(data), "model": model}
+              "data": str(data), "model": model, "stack_fit": stack_record}
     save_choice(out, winner, fitted, str(adapter) if adapter else None, record)
     body = {"choice": winner, "manager_dir": str(out), **record}
     if mlflow_log:

@@ -62,6 +62,9 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
         serve_check: bool = typer.Option(True, "--serve-check/--no-serve-check",
                                          help="one OpenAI-client round trip through `steward serve`"),
         manager_arms: str = typer.Option("", help="`steward eval manager --arms` (empty: its default set)"),
+        stack_fit: int = typer.Option(20, help="with --trigger scores: train traces whose scored decisions fit the "
+                                               "stack (structure + the adapter's P(no)); it competes in choose and "
+                                               "plays in every manager stage (0: no stack)"),
         report: bool = typer.Option(True, "--report/--no-report", help="write ROOT/report.html at the end"),
         only: str = typer.Option("", help="comma-separated stages to run (their upstream must be cached)"),
         mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow"),
@@ -83,7 +86,7 @@ def run(model: str = typer.Option("smollm2", help="`smollm2`, a local HF folder,
                          bench_distances=bench_distances, bench_sessions=bench_sessions, bench_arms=bench_arms,
                          budget=budget, chunk=chunk, limit=limit, engine_tokens=engine_tokens,
                          residency_arms=residency_arms, residency_length=residency_length, serve_check=serve_check,
-                         manager_arms=manager_arms)
+                         manager_arms=manager_arms, stack_fit=stack_fit)
     t0 = time.perf_counter()
     try:
         cfg.check()

@@ -153,7 +153,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
         except ManagerError as e:
             raise typer.BadParameter(f"--manager: {e}") from e
         rule = choice.rule
-        adapter = None if choice.is_rule else Path(choice.adapter_dir)
+        adapter = Path(choice.adapter_dir) if choice.serves_adapter else None
         if rule is not None:
             model_only = {"--aux-close-bias": aux_close_bias is not None, "--aux-min-confidence":
                           aux_min_confidence is not None, "--aux-context": aux_context is not None,
@@ -161,7 +161,7 @@ def serve(model: str = typer.Option("smollm2", help="`smollm2` (embedded), a loc
             if bad := [flag for flag, on in model_only.items() if on]:
                 raise typer.BadParameter(f"{', '.join(bad)}: the manager in {manager} is the fitted rule "
                                          f"{rule.name!r}, which decodes nothing and decides on read responses only")
-    if rule is not None:
+    if rule is not None and adapter is None:
         aux_base = True  # (below: "a manager is configured"; the rule decides, the model is never asked)
     if aux_every is not None and adapter is None and not aux_base:
         raise typer.BadParameter("--aux-every needs a manager: --adapter DIR (or --aux-base for the base model)")

@@ -70,6 +70,9 @@ class PipelineConfig:
     residency_length: int = 0  # the session the residency trace follows (0: --bench-length)
     serve_check: bool = True  # one OpenAI-client round trip through `steward serve` (a turn, a drop, a reposition)
     manager_arms: str = ""  # `steward eval manager --arms` ("" : the command's default set)
+    # with a per-response (`scores`) adapter: train traces whose scored decisions fit the stack (structure + the
+    # adapter's P(no)), which then competes in `choose` and plays in every manager stage
+    stack_fit: int = 20
     budget: int = 512
     chunk: int = 256
     limit: int = 1024
@@ -82,6 +85,11 @@ class PipelineConfig:
         if self.confidences != "auto":
             return self.confidences
         return "0.1,0.2,0.3,0.4,0.5" if self.trigger == "scores" else "0.8,0.9"
+
+    @property
+    def stacks(self) -> bool:
+        """The stack arm runs: the adapter is per-response (it reads P(no), `eval.manager.stack`)."""
+        return self.trigger == "scores" and self.stack_fit > 0
 
     def env_list(self) -> list[str]:
         return [e.strip() for e in self.envs.split(",") if e.strip()]
@@ -167,25 +175,41 @@ def _choose_stage(cfg: PipelineConfig) -> Stage:
     replays (without a calibration stage the choice replays them itself)."""
     traces = cfg.calibrate_traces or cfg.manager_traces
     params = {"traces": traces, "every": cfg.every, "envs": cfg.train_envs(), "max_harm": cfg.max_harm,
-              "arms": CHOICE_RULES + ",adapter"}
+              "arms": CHOICE_RULES + ",adapter" + (",stack" if cfg.stacks else ""),
+              **({"stack_fit": cfg.stack_fit} if cfg.stacks else {})}
     upstream = ["hindsight", "train", *(["calibrate"] if cfg.calibrate_traces else [])]
     return Stage("choose", params, upstream, lambda out, up: [
         "eval", "choose", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
         str(up["hindsight"] / "ds"), "--split", "validation", "--env", ",".join(cfg.train_envs()), "--every",
         str(cfg.every), "--limit", str(traces), "--fit-envs", ",".join(cfg.train_envs()), "--arms", params["arms"],
         *(["--calibration", str(up["calibrate"] / DONE)] if "calibrate" in up else []),
+        *(["--stack-fit", str(cfg.stack_fit), "--stack-head", str(out / STACK_HEAD)] if cfg.stacks else []),
         "--workers", str(cfg.workers), "--journal", str(out / "traces.jsonl"), "--out", str(out / "manager"),
         "--json"])
+
+
+STACK_HEAD = "stack_head"  # the choose stage's fitted stack head, read by every manager stage
+# `steward eval manager`'s default arms (the stack joins them with a per-response adapter)
+MANAGER_ARMS = "base,delete_all_read,keep_last_k,text_classifier,lexical_overlap,structure,attention_mass,adapter"
+
+
+def _manager_arms(cfg: PipelineConfig) -> str:
+    arms = cfg.manager_arms or MANAGER_ARMS
+    return arms + ",stack" if cfg.stacks and "stack" not in arms.split(",") else arms
 
 
 def _manager_stage(cfg: PipelineConfig, name: str, upstream: list[str], which: dict,
                    test_args: Callable[[dict[str, Path]], list[str]]) -> Stage:
     """One test set of `steward eval manager`: every arm on the same traces (the adapter as calibrated)."""
+    arms = _manager_arms(cfg)
     params = {"traces": cfg.manager_traces, "every": cfg.every, "model": cfg.model, "attention_fit": cfg.attention_fit,
-              **which, **({"arms": cfg.manager_arms} if cfg.manager_arms else {})}
+              **which, **({"arms": arms} if arms != MANAGER_ARMS else {})}
+    if cfg.stacks:
+        upstream = [*upstream, "choose"]  # its fitted stack head
     return Stage(name, params, upstream, lambda out, up: [
         "eval", "manager", "--model", cfg.model, "--adapter", _adapter(up["train"]), "--data",
-        str(up["hindsight"] / "ds"), *test_args(up), *(["--arms", cfg.manager_arms] if cfg.manager_arms else []),
+        str(up["hindsight"] / "ds"), *test_args(up), *(["--arms", arms] if arms != MANAGER_ARMS else []),
+        *(["--stack-head", str(up["choose"] / STACK_HEAD)] if cfg.stacks else []),
         "--every", str(cfg.every), "--limit", str(cfg.manager_traces),
         "--fit-envs", ",".join(cfg.train_envs()), "--attention-fit", str(cfg.attention_fit), "--workers",
         str(cfg.workers), "--journal", str(out / "traces.jsonl"), "--json"])

@@ -132,6 +132,30 @@ def test_the_residency_stage_runs_only_for_what_the_long_session_does_not_play(b
     assert by["longsession"].params["resident_series"] is True  # its cache key changed with what it records
 
 
+def test_a_scores_adapter_brings_the_stack_into_choose_and_every_manager_stage(tmp_path):
+    from kvsteward.eval.manager.arms import ARM_NAMES
+    from kvsteward.pipelines.pipeline import DONE, MANAGER_ARMS, STACK_HEAD, stages
+
+    assert MANAGER_ARMS.split(",") == [a for a in ARM_NAMES if a != "stack"]  # `eval manager`'s default set
+    plain = {s.name: s for s in stages(PipelineConfig(holdout_env="ops", envs="research,ops"))}
+    assert "stack" not in plain["choose"].params["arms"] and "arms" not in plain["manager"].params
+    cfg = PipelineConfig(holdout_env="ops", envs="research,ops", trigger="scores", stack_fit=7)
+    by = {s.name: s for s in stages(cfg)}
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / DONE).write_text('{"result": {"adapter_dir": "A"}}')
+    up = {n: tmp_path / n for n in by} | {"train": train}
+    choose = by["choose"].command(tmp_path / "choose", up)
+    assert choose[choose.index("--arms") + 1] == "delete_all_read,structure,adapter,stack"
+    assert choose[choose.index("--stack-fit") + 1] == "7"
+    assert choose[choose.index("--stack-head") + 1] == str(tmp_path / "choose" / STACK_HEAD)
+    for name in ("manager", "heldout", "manager_imported"):
+        assert "choose" in by[name].upstream
+        cmd = by[name].command(tmp_path / name, up)
+        assert cmd[cmd.index("--arms") + 1] == MANAGER_ARMS + ",stack"
+        assert cmd[cmd.index("--stack-head") + 1] == str(tmp_path / "choose" / STACK_HEAD)
+
+
 def test_the_end_summary_lists_stage_times_outputs_report_and_mlflow(tmp_path, monkeypatch):
     """What `steward pipeline run` prints last: every stage's wall time and outputs, the report, the MLflow runs and
     the command that opens the MLflow UI on the store."""

@@ -29,7 +29,7 @@ from kvsteward.synth.traces.trace import Trace
 # A session that collects H2O's cumulative attention and never evicts (a budget no trace reaches).
 SESSION = {"policy": "h2o", "budget": 1 << 40}
 ARM_NAMES = ("base", "delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure",
-             "attention_mass", "adapter")
+             "attention_mass", "adapter", "stack")  # stack: `eval.manager.stack`, on the per-response adapter
 RULES = ("delete_all_read", "keep_last_k", "text_classifier", "lexical_overlap", "structure")
 
 

@@ -1,7 +1,8 @@
 """Which manager to serve, chosen on validation (`steward eval choose`, the pipeline's `choose` stage).
 
-The candidates are the adapter (as calibrated: its close bias or confidence rule) and the fitted rules a small model
-has to beat (`structure`, `delete_all_read`), each scored by `eval.manager.evaluate` on the same validation replays.
+The candidates are the adapter (as calibrated: its close bias or confidence rule), the fitted rules a small model
+has to beat (`structure`, `delete_all_read`) and, with a per-response adapter, the stack (structure + its P(no):
+`eval.manager.stack`), each scored by `eval.manager.evaluate` on the same validation replays.
 The winner is the best deletion F1 among the arms whose harmful rate is within `max_harm` (all arms when none is);
 a tie goes to the cheaper arm (`PREFERENCE`: a rule costs no forward, delete-all-read needs no fit). The test split
 never takes part: its numbers then measure the served manager, not the choice.
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import math
 
-PREFERENCE = ("delete_all_read", "structure", "adapter")  # cheapest first: ties go to the earlier arm
+# cheapest first: ties go to the earlier arm (the stack is the adapter's forward and a head on top)
+PREFERENCE = ("delete_all_read", "structure", "adapter", "stack")
 TIE = 1e-9
 
 

@@ -28,7 +28,10 @@ from kvsteward.synth.traces.baselines import POINTS, Baseline, load_baselines
 
 CHOICE_FILE = "manager.json"
 RULES_DIR = "rules"
-MANAGER_ARMS = ("adapter", "structure", "delete_all_read")  # what `steward eval choose` picks among
+# what `steward eval choose` picks among; `stack` (structure + a per-response adapter's P(no)) serves the adapter and
+# the fitted head together (`manager.stack.StackManager`)
+MANAGER_ARMS = ("adapter", "stack", "structure", "delete_all_read")
+ADAPTER_ARMS = ("adapter", "stack")  # the arms whose folder names an adapter the server loads
 
 
 class ManagerError(ValueError):
@@ -56,8 +59,12 @@ class RuleManager:
     def decide(self, messages: list[dict], open_cursors: list[int]) -> AuxDecision:
         return rule_decision(self.baseline.decide_at(messages, open_cursors, self.point))
 
-    def steps(self, messages: list[dict], open_cursors: list[int]) -> Generator[None, None, AuxDecision]:
-        """`decide` as an aux step generator (no forward, so no step: the worker's loop ends at once)."""
+    needs_model = False  # decides from the messages alone (the worker passes no fork it would use)
+
+    def steps(self, fork, tokenizer, messages: list[dict],
+              open_cursors: list[int]) -> Generator[None, None, AuxDecision]:
+        """`decide` as an aux step generator (no forward, so no step: the worker's loop ends at once); `fork` and
+        `tokenizer` unused (the signature of every served manager: `manager.stack.StackManager` reads them)."""
         return self.decide(messages, open_cursors)
         yield  # (a generator)
 
@@ -74,7 +81,12 @@ class ManagerChoice:
 
     @property
     def is_rule(self) -> bool:
+        """A fitted rule (or the stacked head) decides; with `stack` it reads `adapter_dir`'s forward."""
         return self.rule is not None
+
+    @property
+    def serves_adapter(self) -> bool:
+        return self.arm in ADAPTER_ARMS
 
 
 def save_choice(folder: str | Path, arm: str, rules: dict[str, Baseline], adapter_dir: str | None,
@@ -85,8 +97,8 @@ def save_choice(folder: str | Path, arm: str, rules: dict[str, Baseline], adapte
 
     if arm not in MANAGER_ARMS:
         raise ManagerError(f"unknown manager arm {arm!r}; known: {', '.join(MANAGER_ARMS)}")
-    if arm == "adapter" and not adapter_dir:
-        raise ManagerError("the adapter won, but no adapter folder was given")
+    if arm in ADAPTER_ARMS and not adapter_dir:
+        raise ManagerError(f"the {arm} arm won, but no adapter folder was given")
     if arm != "adapter" and arm not in rules:
         raise ManagerError(f"the rule {arm!r} won, but it is not among the fitted rules {sorted(rules)}")
     folder = Path(folder)
@@ -123,5 +135,12 @@ def load_choice(folder: str | Path) -> ManagerChoice:
         raise ManagerError(f"{path}: the chosen rule cannot be loaded ({e})") from e
     if arm not in fitted:
         raise ManagerError(f"{path}: the rule {arm!r} is not among the saved rules {sorted(fitted)}")
+    if arm == "stack":
+        from kvsteward.serve.manager.stack import StackManager  # (stack → rule: imported here, not at the top)
+
+        adapter = body.get("adapter_dir")
+        if not adapter or not Path(adapter).is_dir():
+            raise ManagerError(f"{path}: the stack's per-response adapter folder {adapter!r} does not exist")
+        return ManagerChoice(arm, point, adapter_dir=adapter, rule=StackManager(fitted[arm], point), record=body)
     return ManagerChoice(arm, point, adapter_dir=body.get("adapter_dir"),
                          rule=RuleManager(arm, fitted[arm], point), record=body)

@@ -20,6 +20,7 @@ from kvsteward.serve.engine.session import Session
 from kvsteward.serve.manager.decode import _candidates, check_close_bias, check_min_confidence
 from kvsteward.serve.manager.planner import _PLAN_ALPHABET, check_plan, plan_steps
 from kvsteward.serve.manager.rule import RuleManager
+from kvsteward.serve.manager.stack import StackManager
 from kvsteward.serve.manager.thread import aux_steps
 
 
@@ -135,7 +136,9 @@ class AuxConfig:
     close_bias: float = 0.0  # nats added to closing the deletion list (`_constrained_steps`): > 0 deletes less
     keep_unread: bool = True  # never delete a tool response the agent has not read yet (`unread_cursors`)
     min_confidence: float | None = None  # delete only ids listed with this probability (`_confident_steps`)
-    rule: RuleManager | None = None  # a fitted rule decides instead of the model (`manager.rule`, `--manager`)
+    # a fitted rule decides instead of the model (`manager.rule`, `--manager`), or the stacked head on the
+    # per-response adapter's forward (`manager.stack.StackManager`: the fork carries the adapter)
+    rule: RuleManager | StackManager | None = None
 
     def validate(self) -> None:
         check_close_bias(self.close_bias)
@@ -254,8 +257,8 @@ class AuxWorker:
                 return
             # the planner's own shared fork of the boundary state, taken before the deletion decode writes `job.fork`
             plan_fork = job.fork.fork(shared=True) if self.config.plan and self.plan_hook is None else None
-            if self.config.rule is not None:  # no forward: the rule reads the visible messages
-                steps = self.config.rule.steps(job.messages, job.open_cursors)
+            if self.config.rule is not None:  # a fitted rule (no forward) or the stacked head (the scores forward)
+                steps = self.config.rule.steps(job.fork, self.tokenizer, job.messages, job.open_cursors)
             else:
                 steps = aux_steps(job.fork, self.tokenizer, job.messages, job.open_cursors, self.config.max_tokens,
                                   self.config.close_bias, self.config.keep_unread, self.config.min_confidence)

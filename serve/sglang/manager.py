@@ -55,7 +55,7 @@ from kvsteward.serve.manager.decode import (
     branch_walk,
     valid_tail,
 )
-from kvsteward.serve.manager.rule import RuleManager, load_choice
+from kvsteward.serve.manager.rule import ManagerError, RuleManager, load_choice
 
 AUX_FIELD = "kvsteward_aux"
 
@@ -156,6 +156,10 @@ class SglangManager:
         """The manager a `steward eval choose` folder names (`manager.rule.load_choice`): its adapter, served as
         `for_adapter` serves it under the name `lora`, or its fitted rule."""
         choice = load_choice(manager_dir)
+        if choice.arm == "stack":
+            raise ManagerError(f"{manager_dir}: the stacked head reads a per-response adapter's forward, which the "
+                               "SGLang aux fork does not serve (it decodes lists); serve it with `steward serve "
+                               "--manager`")
         if choice.is_rule:
             return cls(tokenizer, rule=choice.rule, **kw)
         return cls.for_adapter(tokenizer, choice.adapter_dir, lora, **kw)

@@ -19,6 +19,9 @@ threshold. `fit` chooses the threshold (and any parameter) on the train decision
   response introduced and whether later agent messages follow them, overlaps with the task and the other open
   responses, positions); no words, so it can carry over to an environment it was not fitted on. The threshold on
   trace-grouped out-of-fold scores.
+- `stack`: the same trees over the structural features plus one model feature, a per-response adapter's P(no) for
+  the response (`Decision.model_score`, filled by `eval.manager.stack`): does the model's reading add anything to
+  structure? Not in `BASELINES` (it needs a model forward per decision); `load_baselines` reads it back.
 
 `fit_on_traces` is the one fit the evaluation's rule arms and a served rule use (uncompressed decisions of the
 train traces); the shortcut audit fits on the dataset's rows. `save_baselines` writes a folder (`baselines.json` +
@@ -452,8 +455,44 @@ class StructureClassifier(Baseline):
         self.model = joblib.load(folder / self.model_file) if state.get("has_model") else None
 
 
+class StackClassifier(StructureClassifier):
+    """The structure classifier's trees with the per-response adapter's P(no) as one more feature (a stacked head):
+    same settings, thresholds on trace-grouped out-of-fold scores, so it and `structure` differ only by that column.
+    Every decision it scores must carry `model_score` (`eval.manager.stack.scored_decisions`)."""
+
+    name = "stack"
+    model_file = "stack.joblib"
+    MODEL_FEATURE = "adapter_p_no"
+
+    @classmethod
+    def features(cls) -> list[str]:
+        return [*STRUCTURE_FEATURES, cls.MODEL_FEATURE]
+
+    @staticmethod
+    def _matrix(decisions: Sequence[Decision]) -> np.ndarray:
+        missing = sum(d.model_score is None for d in decisions)
+        if missing:
+            raise ValueError(f"stack: {missing} of {len(decisions)} decisions carry no model score (score them with "
+                             "the per-response adapter: eval.manager.stack.scored_decisions)")
+        x = StructureClassifier._matrix(decisions)
+        return np.column_stack([x, np.array([d.model_score for d in decisions], float)])
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | {"features": self.features()}
+
+    def _load_state(self, state: dict[str, Any], folder: Path) -> None:
+        import joblib
+
+        if state.get("features") != self.features():
+            raise ValueError(f"{folder}: the stack head was fitted on other features ({state.get('features')})")
+        self.constant = float(state.get("constant", 0.0))
+        self.model = joblib.load(folder / self.model_file) if state.get("has_model") else None
+
+
 BASELINES: dict[str, type[Baseline]] = {b.name: b for b in (DeleteAllRead, KeepLastK, TextClassifier,
                                                              LexicalOverlap, StructureClassifier)}
+# what a baselines folder may hold: the cheap rules and the stacked head (fitted where a model scored the decisions)
+RULE_CLASSES: dict[str, type[Baseline]] = BASELINES | {StackClassifier.name: StackClassifier}
 
 
 def fit_all(train: Sequence[Decision], names: Iterable[str] = BASELINES) -> dict[str, Baseline]:
@@ -492,7 +531,7 @@ def load_baselines(folder: str | Path) -> dict[str, Baseline]:
     index = json.loads((folder / INDEX_FILE).read_text())
     out = {}
     for n, entry in index["baselines"].items():
-        if entry["class"] not in BASELINES:
+        if entry["class"] not in RULE_CLASSES:
             raise ValueError(f"{folder / INDEX_FILE}: unknown baseline {entry['class']!r}")
-        out[n] = BASELINES[entry["class"]].load(entry, folder)
+        out[n] = RULE_CLASSES[entry["class"]].load(entry, folder)
     return out

@@ -57,6 +57,9 @@ class Decision:
     steps_since: int  # assistant messages between the cursor and the boundary
     recency: int  # 0 = the most recent read open cursor, 1 = the one before, ...
     structure: tuple[float, ...] = ()  # `synth.traces.structure.FEATURES`: its place in the agent's visible progress
+    # a per-response adapter's P(no: not needed) for this cursor at this boundary (`eval.manager.stack`), the
+    # `stack` rule's one model feature; None where no model read the context
+    model_score: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
