@@ -94,7 +94,7 @@ def test_the_stack_uses_the_model_column_where_structure_has_no_signal(tmp_path)
         out = []
         for i in range(n):
             p = float(rng.uniform())
-            out.append(Decision(f"t{(i + seed_offset) % 10}", "x", 4, i, p > 0.4, "", "task", "body", "note", "call",
+            out.append(Decision(f"t{(i + seed_offset) % 10}", "x", 4, i, p > 0.5, "", "task", "body", "note", "call",
                                 1, 0, tuple(float(v) for v in rng.normal(size=len(FEATURES))), p))
         return out
 
@@ -106,7 +106,8 @@ def test_the_stack_uses_the_model_column_where_structure_has_no_signal(tmp_path)
         tp = int((pred & labels).sum())
         return 2 * tp / (pred.sum() + labels.sum())
 
-    assert f1(stack.predict(test)) > 0.95 > 0.8 > f1(structure.predict(test))
+    everything = f1(np.ones(len(test), bool))  # delete-all-read: what no signal gives
+    assert f1(stack.predict(test)) > 0.95 and f1(structure.predict(test)) < everything + 0.05 < 0.95
     save_baselines({"stack": stack}, tmp_path)
     again = load_baselines(tmp_path)["stack"]
     assert isinstance(again, StackClassifier) and np.array_equal(again.scores(test), stack.scores(test))
