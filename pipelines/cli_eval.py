@@ -324,8 +324,10 @@ def _stack_arm(scorer, data: Path, folder: Path | None, n_fit: int, fit_envs: li
         head, decisions = fit_stack(scorer, train, every, progress=console.log)
     except StackError as e:
         raise typer.BadParameter(str(e)) from e
-    if folder is not None:
+    if folder is not None:  # the head, and the scored decisions it was fitted on (per-cue and ablation studies)
         save_baselines({"stack": head}, folder)
+        with (folder / "scored_decisions.jsonl").open("w") as f:
+            f.writelines(json.dumps(d.to_dict()) + "\n" for d in decisions)
     record = {"source": str(folder) if folder else "fitted", "train_traces": len(train), "decisions": len(decisions),
               "deletable_share": sum(bool(d.label) for d in decisions) / len(decisions), "points": head.points}
     return StackArm(head, point, record=record)

@@ -171,6 +171,8 @@ def test_eval_manager_fits_plays_and_reports_the_stack(tiny_folder, scores_adapt
         assert key in out["stack"], key
     assert out["stack"]["n_decisions"] > 0 and out["stack_fit"]["train_traces"] == 2
     assert (head / "baselines.json").is_file()
+    scored = [json.loads(line) for line in (head / "scored_decisions.jsonl").read_text().splitlines()]
+    assert len(scored) == out["stack_fit"]["decisions"] and all(d["model_score"] is not None for d in scored)
     again = _cli([*common, "--scores-adapter", str(scores_adapter), "--stack-head", str(head)])  # read, not refit
     assert again.exit_code == 0, again.output
     second = json.loads(again.stdout.strip().splitlines()[-1])

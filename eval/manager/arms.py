@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -49,8 +50,13 @@ class RuleArm:
         setting = json.dumps(self.baseline.points, sort_keys=True, default=str)
         return f"rule {self.name} at {self.point} ({hashlib.sha256(setting.encode()).hexdigest()[:10]})"
 
+    @cached_property
+    def served(self) -> RuleManager:
+        """What a server with this rule runs (built on first use: also in a worker the arm was pickled to)."""
+        return RuleManager(self.name, self.baseline, self.point)
+
     def decide(self, session, messages: list[dict], open_cursors: list[int]) -> AuxDecision:
-        return RuleManager(self.name, self.baseline, self.point).decide(messages, open_cursors)  # as served
+        return self.served.decide(messages, open_cursors)
 
 
 def attention_mass(session, open_cursors: list[int]) -> dict[int, float]:
