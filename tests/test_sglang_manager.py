@@ -186,3 +186,39 @@ def test_the_confidence_rule_on_sglang_is_the_engine_s(served):
         assert got.confidence.keys() == want.confidence.keys()
         for c in OPEN:
             assert abs(got.confidence[c] - want.confidence[c]) < 1e-3, (c, got.confidence, want.confidence)
+
+
+def test_a_per_response_adapter_on_sglang_reads_the_engine_s_p_no(served):
+    """A `scores` adapter on SGLang: one request, the fork with the scores trigger and the answers' log-probabilities
+    at every trigger position; each open response's P(no) at its slot is the engine's (`run_aux` on the same
+    boundary), the decision at a threshold between them too, and the fork read the main's cached prefix."""
+    from kvsteward.serve.manager.thread import run_aux
+
+    server, engine, adapter = served
+    tok = engine.tokenizer
+    ids, prompt = main_ids(tok)
+    history = SglangHistory()
+    body = history.fields([*ids, prompt])
+    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    engine.trigger_style = "scores"  # the same LoRA, read as a per-response adapter (its slots' yes / no logits)
+    try:
+        want = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, use_adapter=True, keep_unread=False)
+        assert set(want.confidence) == set(OPEN)
+        middle = sum(want.confidence.values()) / 2  # a threshold that keeps one response and deletes the other
+        assert abs(want.confidence[3] - want.confidence[5]) > 1e-3
+        for threshold in (None, middle):
+            mgr = SglangManager(tok, lora="mgr", trigger_style="scores", keep_unread=False, min_confidence=threshold)
+            got = mgr.decide(server.url, history, MESSAGES, ids, None, OPEN)
+            ref = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, use_adapter=True, keep_unread=False,
+                          min_confidence=threshold)
+            for c in OPEN:
+                assert abs(got.confidence[c] - ref.confidence[c]) < 1e-3, (c, got.confidence, ref.confidence)
+            assert got.del_cursors == ref.del_cursors, threshold
+        assert len(got.del_cursors) == 1  # at the middle threshold
+        req, _ = mgr.scores_body(history, MESSAGES, ids, None, OPEN)
+        assert req["lora_path"] == "mgr" and "custom_logit_processor" not in req
+        out = requests.post(f"{server.url}/generate", json=req, timeout=300).json()
+        assert out["meta_info"]["cached_tokens"] == sum(len(m) for m in ids), out["meta_info"]
+    finally:
+        engine.trigger_style = "ids"

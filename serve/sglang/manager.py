@@ -28,6 +28,10 @@ responses never offered with `keep_unread`). On SGLang the same decision is one 
   trigger and its tail with the adapter (the tree never holds adapter tokens): a decision costs one prefill of
   trigger + tail per branch token, where the engine extends a copied state by one token.
 
+- **a per-response adapter** (`scores` trigger): one request, the fork with the scores trigger, asking for the two
+  answers' log-probabilities at every trigger position (`token_ids_logprob` from `logprob_start_len`); each open
+  response's P(no) is read at its slot as the engine reads its logits (`manager.scores`), no decode.
+
 - **a fitted rule** (a manager folder whose validation winner is a rule: `for_choice`) decides from the messages
   with no request at all, exactly as the engine's worker does (`manager.rule.RuleManager`).
 
@@ -135,9 +139,6 @@ class SglangManager:
 
         if self.min_confidence is not None:
             check_min_confidence(self.min_confidence)
-        if self.trigger_style == "scores":
-            raise ValueError("an adapter trained on the scores trigger (per-response decisions) is served by the "
-                             "engine (`steward serve --aux`); the SGLang aux fork decodes deletion lists only")
         eos = self.tokenizer.eos_token_id
         self._eos = int(eos[0] if isinstance(eos, list) else eos)
 
@@ -209,10 +210,61 @@ class SglangManager:
         body.update({"return_logprob": True, "token_ids_logprob": _candidates(self.tokenizer)[0]})
         return body
 
+    def scores_body(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                    open_cursors: list[int]) -> tuple[dict, list[int]] | None:
+        """A per-response (`scores`) adapter's request at a boundary: the fork with the scores trigger (as
+        `manager.scores.trigger_ids` writes it: no generation prompt), one token to generate, and the log-probabilities
+        of the two answers at every trigger position (`token_ids_logprob`, from the trigger's first token on: the
+        trigger is always computed, never matched in the tree). Returns (body, the input position whose
+        distribution is each open cursor's slot: slot + 1, ascending cursor order); None when nothing is
+        deletable (no request, as in the engine)."""
+        from kvsteward.serve.manager.scores import trigger_ids
+        from kvsteward.synth.traces.hindsight import ANSWERS
+        from kvsteward.synth.traces.tokens import answer_ids
+
+        if not self.deletable(messages, open_cursors):
+            return None
+        trigger, slots = trigger_ids(self.tokenizer, messages, open_cursors)
+        body = self._fork_fields(history, messages, message_ids, cache, open_cursors, trigger=trigger)
+        start = len(body["input_ids"]) - len(trigger)
+        body.setdefault("sampling_params", {}).update({"max_new_tokens": 1, "temperature": 0.0})
+        body.update({"return_logprob": True, "logprob_start_len": start,
+                     "token_ids_logprob": list(answer_ids(self.tokenizer, ANSWERS))})
+        return body, [start + k + 1 for k in slots]
+
+    def scores_decision(self, url: str, history, messages: list[dict], message_ids: list[list[int]],
+                        cache: dict | None, open_cursors: list[int], timeout: float = 600) -> AuxDecision:
+        """The per-response decision on the server at `url`: each open response's P(no) (the two answers'
+        log-probabilities at its slot, softmaxed against each other, as `manager.scores.needless` does with the
+        engine's logits), the deletable ones at or above the threshold (`manager.scores.deletions`)."""
+        import requests
+
+        from kvsteward.serve.manager.scores import deletions
+        from kvsteward.synth.traces.hindsight import ANSWERS
+        from kvsteward.synth.traces.tokens import answer_ids
+
+        built = self.scores_body(history, messages, message_ids, cache, open_cursors)
+        if built is None:
+            return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
+        body, positions = built
+        r = requests.post(f"{url}/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        rows = r.json()["meta_info"]["input_token_ids_logprobs"]
+        start = body["logprob_start_len"]
+        yes, no = answer_ids(self.tokenizer, ANSWERS)
+        p_no = {}
+        for cursor, pos in zip(sorted(open_cursors), positions, strict=True):
+            lp = {int(tid): float(v) for v, tid, *_ in rows[pos - start]}
+            p_no[cursor] = float(torch.softmax(torch.tensor([lp[yes], lp[no]]), dim=0)[1])
+        deletable = self.deletable(messages, open_cursors)
+        gone = deletions(p_no, deletable, self.min_confidence)
+        return AuxDecision(gone, json.dumps({"del_cursors": gone}), 0, confidence={c: p_no[c] for c in deletable})
+
     def _fork_fields(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
-                     open_cursors: list[int], tail: list[int] = ()) -> dict:
-        """The fork's input (the main's messages and ops, the trigger, the opener, `tail`) naming the adapter."""
-        trigger = self.trigger_ids(messages, open_cursors) + list(tail)
+                     open_cursors: list[int], tail: list[int] = (), trigger: list[int] | None = None) -> dict:
+        """The fork's input (the main's messages and ops, the trigger, the opener, `tail`; or `trigger` as given)
+        naming the adapter."""
+        trigger = self.trigger_ids(messages, open_cursors) + list(tail) if trigger is None else trigger
         if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
             msgs, ops = [message_ids[0], trigger], None
         else:
@@ -251,6 +303,8 @@ class SglangManager:
 
         if self.rule is not None:  # the engine's worker decides the same way (`AuxConfig.rule`)
             return self.rule.decide(messages, open_cursors)
+        if self.trigger_style == "scores":
+            return self.scores_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
         if self.min_confidence is not None:
             return self.confident_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
         body = self.fork_body(history, messages, message_ids, cache, open_cursors)
