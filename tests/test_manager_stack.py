@@ -185,7 +185,7 @@ def test_eval_choose_fits_the_stack_and_serve_loads_it_with_its_adapter(tiny_fol
                                                                         monkeypatch):
     """`steward eval choose --arms ...,stack` with a per-response adapter: the stack is fitted on train traces and
     scored on the validation replays beside the rules; the folder keeps its head; forced to the stack, `steward
-    serve --manager` loads the adapter and serves the head (`StackManager`); SGLang refuses it by name."""
+    serve --manager` loads the adapter and serves the head (`StackManager`), and so does the SGLang manager."""
     import uvicorn
 
     import kvsteward.serve.server.api as api
@@ -222,7 +222,9 @@ def test_eval_choose_fits_the_stack_and_serve_loads_it_with_its_adapter(tiny_fol
     assert r.exit_code == 0, r.output
     assert isinstance(seen["config"].aux.rule, StackManager) and seen["config"].aux.use_adapter
     assert seen["engine"].is_peft and seen["engine"].trigger_style == "scores"
-    with pytest.raises(ManagerError, match="SGLang aux fork does not serve"):
-        SglangManager.for_choice(seen["engine"].tokenizer, str(forced), "m")
+    sgl = SglangManager.for_choice(seen["engine"].tokenizer, str(forced), "m")  # its request, then the head
+    assert isinstance(sgl.rule, StackManager) and sgl.trigger_style == "scores" and sgl.lora == "m"
+    with pytest.raises(ManagerError, match="under a LoRA name"):
+        SglangManager.for_choice(seen["engine"].tokenizer, str(forced), None)
     with pytest.raises(ManagerError, match="no adapter folder"):
         save_choice(tmp_path / "x", "stack", rules, None, {})

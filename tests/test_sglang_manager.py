@@ -222,3 +222,39 @@ def test_a_per_response_adapter_on_sglang_reads_the_engine_s_p_no(served):
         assert out["meta_info"]["cached_tokens"] == sum(len(m) for m in ids), out["meta_info"]
     finally:
         engine.trigger_style = "ids"
+
+
+def test_the_stack_on_sglang_decides_as_on_the_engine(served):
+    """The stack (structure trees over a per-response adapter's P(no)) on SGLang: the per-response request, then the
+    head; the same decision and scores as the engine's `StackManager` on a fork of the same boundary."""
+    import numpy as np
+
+    from kvsteward.serve.manager.decode import drive
+    from kvsteward.serve.manager.stack import StackManager
+    from kvsteward.synth.traces.baselines import StackClassifier
+    from kvsteward.synth.traces.decisions import Decision
+    from kvsteward.synth.traces.structure import FEATURES
+
+    server, engine, adapter = served
+    tok = engine.tokenizer
+    ids, prompt = main_ids(tok)
+    history = SglangHistory()
+    body = history.fields([*ids, prompt])
+    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    rng = np.random.default_rng(0)  # a head that follows the score: delete when P(no) is high
+    train = [Decision(f"t{i % 8}", "x", 4, i, p > 0.5, "", "task", "body", "note", "call", 1, 0,
+                      tuple(float(v) for v in rng.normal(size=len(FEATURES))), p)
+             for i, p in enumerate(rng.uniform(size=200))]
+    stack = StackManager(StackClassifier().fit(train))
+    engine.trigger_style = "scores"
+    try:
+        fork = main_session(engine, ids).fork(shared=True)
+        fork.config.use_adapter = True
+        want = drive(stack.steps(fork, tok, MESSAGES, OPEN))
+        mgr = SglangManager(tok, lora="mgr", trigger_style="scores", rule=stack)
+        got = mgr.decide(server.url, history, MESSAGES, ids, None, OPEN)
+    finally:
+        engine.trigger_style = "ids"
+    assert got.del_cursors == want.del_cursors and got.confidence.keys() == want.confidence.keys() == {3}
+    assert abs(got.confidence[3] - want.confidence[3]) < 1e-3

@@ -36,12 +36,16 @@ class StackManager:
         if fork.engine.trigger_style != "scores":
             raise ValueError("the stack reads a per-response adapter's P(no): serve it with an adapter trained on "
                              f"the scores trigger (this engine's: {fork.engine.trigger_style!r})")
-        decisions = decisions_at(messages, open_cursors, len(messages))
-        if not decisions:
+        if not decisions_at(messages, open_cursors, len(messages)):
             return rule_decision([])
         read = yield from aux_steps(fork, tokenizer, messages, open_cursors, keep_unread=True)
-        p_no = read.confidence or {}
+        return self.decide_with(messages, open_cursors, read.confidence or {})
+
+    def decide_with(self, messages: list[dict], open_cursors: list[int], p_no: dict[int, float]) -> AuxDecision:
+        """The head's decision given the adapter's P(no) of every read open response (the engine's fork above, or
+        SGLang's request: `serve.sglang.manager.SglangManager.scores_decision`)."""
+        decisions = decisions_at(messages, open_cursors, len(messages))
         scored = [replace(d, model_score=p_no[d.cursor]) for d in decisions]
-        out = rule_decision(self.head.delete(scored, self.point))
+        out = rule_decision(self.head.delete(scored, self.point) if scored else [])
         out.confidence = {d.cursor: d.model_score for d in scored}
         return out

@@ -33,7 +33,9 @@ responses never offered with `keep_unread`). On SGLang the same decision is one 
   response's P(no) is read at its slot as the engine reads its logits (`manager.scores`), no decode.
 
 - **a fitted rule** (a manager folder whose validation winner is a rule: `for_choice`) decides from the messages
-  with no request at all, exactly as the engine's worker does (`manager.rule.RuleManager`).
+  with no request at all, exactly as the engine's worker does (`manager.rule.RuleManager`); **the stack** (the
+  structure trees over a per-response adapter's P(no)) is the per-response request, then the head
+  (`manager.stack.StackManager.decide_with`).
 
 Not on SGLang: the planner (`--aux-plan`).
 """
@@ -60,6 +62,7 @@ from kvsteward.serve.manager.decode import (
     valid_tail,
 )
 from kvsteward.serve.manager.rule import ManagerError, RuleManager, load_choice
+from kvsteward.serve.manager.stack import StackManager
 
 AUX_FIELD = "kvsteward_aux"
 
@@ -131,7 +134,9 @@ class SglangManager:
     keep_unread: bool = True
     max_tokens: int = 64
     min_confidence: float | None = None
-    rule: RuleManager | None = None  # a fitted rule decides, no request (`manager.rule`: `for_choice`)
+    # a fitted rule decides, no request (`manager.rule`: `for_choice`); or the stack (`manager.stack.StackManager`):
+    # the per-response request gives P(no), the head decides
+    rule: RuleManager | StackManager | None = None
     _eos: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -157,10 +162,13 @@ class SglangManager:
         """The manager a `steward eval choose` folder names (`manager.rule.load_choice`): its adapter, served as
         `for_adapter` serves it under the name `lora`, or its fitted rule."""
         choice = load_choice(manager_dir)
-        if choice.arm == "stack":
-            raise ManagerError(f"{manager_dir}: the stacked head reads a per-response adapter's forward, which the "
-                               "SGLang aux fork does not serve (it decodes lists); serve it with `steward serve "
-                               "--manager`")
+        if choice.arm == "stack":  # the adapter's per-response request, then the head (`manager.stack`)
+            mgr = cls.for_adapter(tokenizer, choice.adapter_dir, lora, **kw)
+            if mgr.trigger_style != "scores" or lora is None:
+                raise ManagerError(f"{manager_dir}: the stack reads a per-response adapter served under a LoRA name "
+                                   f"(adapter trigger {mgr.trigger_style!r}, lora {lora!r})")
+            mgr.rule = choice.rule
+            return mgr
         if choice.is_rule:
             return cls(tokenizer, rule=choice.rule, **kw)
         return cls.for_adapter(tokenizer, choice.adapter_dir, lora, **kw)
@@ -301,6 +309,9 @@ class SglangManager:
         """Run the fork on the server at `url` and return the decision."""
         import requests
 
+        if self.rule is not None and self.rule.needs_model:  # the stack: the adapter's P(no), then the head
+            read = self.scores_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
+            return self.rule.decide_with(messages, open_cursors, read.confidence or {})
         if self.rule is not None:  # the engine's worker decides the same way (`AuxConfig.rule`)
             return self.rule.decide(messages, open_cursors)
         if self.trigger_style == "scores":
