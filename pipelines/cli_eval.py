@@ -447,7 +447,7 @@ def manager(model: str = typer.Option("smollm2", help="`smollm2`, a local HF fol
         raise typer.BadParameter("--arms stack stacks a per-response adapter's P(no) on the structure features: "
                                  "give --scores-adapter DIR (or a scores-trigger --adapter)")
     wanted = [a for a in wanted if a != "stack"]  # played on the scores adapter's engine, after the others
-    if not wanted and scores_adapter is None:
+    if not wanted and scores_adapter is None and not stack:
         raise typer.BadParameter("--no-base leaves no manager to evaluate: give --adapter DIR" if not base else
                                  "--arms leaves no arm to evaluate")
     if point not in ("f1", "safe"):

@@ -179,6 +179,12 @@ def test_eval_manager_fits_plays_and_reports_the_stack(tiny_folder, scores_adapt
     assert second["stack_fit"]["source"] == str(head) and second["stack"] == out["stack"]
     bad = _cli(common)
     assert bad.exit_code == 2 and "--scores-adapter" in " ".join(bad.output.split())
+    # a per-response --adapter carries the stack itself (one engine, one reference replay): the same head, the same
+    # decisions as on the second engine
+    alone = _cli([*common[:-1], "stack", "--adapter", str(scores_adapter), "--stack-head", str(head)])
+    assert alone.exit_code == 0, alone.output
+    third = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert third["arms"] == ["stack"] and third["stack"] == out["stack"]
 
 
 def test_eval_choose_fits_the_stack_and_serve_loads_it_with_its_adapter(tiny_folder, scores_adapter, tmp_path,
