@@ -350,9 +350,11 @@ def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
         return LOAD_S + per * 20 * (arms + 1)
     if st.name == "choose":  # the calibration played every arm: a fit and a choice (else three replays per trace)
         per = -(-p["traces"] // max(1, cfg.workers))
-        return 15.0 if cfg.calibrate_traces else LOAD_S + 10 + per * (12 * 3 + 15)
+        # the stack: one scored replay per fit trace (~20 s on 2 cores), then its replay of each validation trace
+        stack = LOAD_S + p["stack_fit"] * 20 + per * 20 if "stack_fit" in p else 0.0
+        return stack + (15.0 if cfg.calibrate_traces else LOAD_S + 10 + per * (12 * 3 + 15))
     if st.name in ("manager", "heldout", "manager_imported"):
-        n_arms = len(cfg.manager_arms.split(",")) if cfg.manager_arms else 8
+        n_arms = len(_manager_arms(cfg).split(","))
         return LOAD_S + 10 + rounds * (12 * (n_arms + 1) + 15)
     if st.name == "serve":
         return LOAD_S + 20
