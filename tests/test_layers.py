@@ -17,7 +17,8 @@ ALLOWED = {
     "sglang": {"engine", "manager", "sglang"},
     "bench": {"engine", "manager", "server", "sglang", "bench"},  # everything (serve/__init__.py)
 }
-MANAGER_ORDER = ["decode", "scores", "rule", "planner", "thread", "worker"]  # a module may import only those before it
+# a module may import only those before it
+MANAGER_ORDER = ["decode", "scores", "planner", "thread", "stack", "rule", "worker"]
 
 
 def _imports(path: Path) -> list[str]:

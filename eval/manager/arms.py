@@ -21,8 +21,8 @@ from functools import cached_property
 
 import numpy as np
 
-from kvsteward.serve.manager.decode import AuxDecision
-from kvsteward.serve.manager.rule import RuleManager, rule_decision
+from kvsteward.serve.manager.decode import AuxDecision, rule_decision
+from kvsteward.serve.manager.rule import RuleManager
 from kvsteward.synth.traces.baselines import SAFE_HARMFUL, Baseline, choose, sweep
 from kvsteward.synth.traces.hindsight import boundaries, expired, unread_cursors
 from kvsteward.synth.traces.trace import Trace

@@ -23,8 +23,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvsteward.serve.manager.decode import AuxDecision, drive
-from kvsteward.serve.manager.rule import rule_decision
+from kvsteward.serve.manager.decode import AuxDecision, drive, rule_decision
 from kvsteward.serve.manager.stack import StackManager
 from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.traces.baselines import StackClassifier

@@ -124,6 +124,13 @@ class AuxDecision:
     confidence: dict[int, float] | None = None  # `min_confidence`: each deletable id's P(listed) (a lower bound)
 
 
+def rule_decision(deleted: set[int] | list[int]) -> AuxDecision:
+    """A decision made without a decode (a fitted rule, the stack's head) in the list decoder's text form (what the
+    server logs and an SGLang client would parse)."""
+    ids = sorted(deleted)
+    return AuxDecision(ids, PREFIX + " " + json.dumps(ids) + "}", 0)
+
+
 def constrained_del_cursors(session: Session, tokenizer, open_ids: list[int], max_tokens: int = 64,
                             close_bias: float = 0.0) -> AuxDecision:
     """Greedy decode of the deletion list on `session` (already holding the trigger and the generation prompt; the

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvsteward.serve.manager.decode import PREFIX, AuxDecision
+from kvsteward.serve.manager.decode import AuxDecision, rule_decision
+from kvsteward.serve.manager.stack import StackManager
 from kvsteward.synth.traces.baselines import POINTS, Baseline, load_baselines
 
 CHOICE_FILE = "manager.json"
@@ -36,12 +37,6 @@ ADAPTER_ARMS = ("adapter", "stack")  # the arms whose folder names an adapter th
 
 class ManagerError(ValueError):
     """A manager folder that cannot be served (missing file, unknown arm, rule not fitted)."""
-
-
-def rule_decision(deleted: set[int] | list[int]) -> AuxDecision:
-    """A decision in the list decoder's text form (what the server logs and an SGLang client would parse)."""
-    ids = sorted(deleted)
-    return AuxDecision(ids, PREFIX + " " + json.dumps(ids) + "}", 0)
 
 
 @dataclass
@@ -136,8 +131,6 @@ def load_choice(folder: str | Path) -> ManagerChoice:
     if arm not in fitted:
         raise ManagerError(f"{path}: the rule {arm!r} is not among the saved rules {sorted(fitted)}")
     if arm == "stack":
-        from kvsteward.serve.manager.stack import StackManager  # (stack → rule: imported here, not at the top)
-
         adapter = body.get("adapter_dir")
         if not adapter or not Path(adapter).is_dir():
             raise ManagerError(f"{path}: the stack's per-response adapter folder {adapter!r} does not exist")

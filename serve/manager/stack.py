@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass, replace
 
-from kvsteward.serve.manager.decode import AuxDecision
-from kvsteward.serve.manager.rule import rule_decision
+from kvsteward.serve.manager.decode import AuxDecision, rule_decision
 from kvsteward.serve.manager.thread import aux_steps
 from kvsteward.synth.traces.baselines import POINTS, StackClassifier
 from kvsteward.synth.traces.decisions import decisions_at
