@@ -78,6 +78,16 @@ def main_ids(tok):
     return ids, prompt
 
 
+def main_turn(server, ids, prompt) -> SglangHistory:
+    """The main turn up to the boundary's tool response, then one token of its reply, sent to the server (its
+    state cached in the tree); returns the history the forks continue."""
+    history = SglangHistory()
+    body = history.fields([*ids, prompt])
+    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
+    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    return history
+
+
 def main_session(engine, ids):
     s = engine.session("full")
     for m in ids:
@@ -91,10 +101,7 @@ def test_the_fork_decides_what_the_engine_decides_with_the_adapter(served):
     server, engine, adapter = served
     tok = engine.tokenizer
     ids, prompt = main_ids(tok)
-    history = SglangHistory()
-    body = history.fields([*ids, prompt])  # the main turn up to the boundary's tool response, then its reply
-    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
-    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    history = main_turn(server, ids, prompt)
     main_prefix = sum(len(m) for m in ids)
     decisions = {}
     for keep_unread in (False, True):
@@ -169,10 +176,7 @@ def test_the_confidence_rule_on_sglang_is_the_engine_s(served):
     server, engine, adapter = served
     tok = engine.tokenizer
     ids, prompt = main_ids(tok)
-    history = SglangHistory()
-    body = history.fields([*ids, prompt])
-    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
-    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    history = main_turn(server, ids, prompt)
     for close_bias in (0.0, -3.0):  # a negative bias keeps lists open: more branches
         mgr = SglangManager.for_adapter(tok, str(adapter), "mgr", keep_unread=False, max_tokens=16,
                                         min_confidence=0.5, close_bias=close_bias)
@@ -197,10 +201,7 @@ def test_a_per_response_adapter_on_sglang_reads_the_engine_s_p_no(served):
     server, engine, adapter = served
     tok = engine.tokenizer
     ids, prompt = main_ids(tok)
-    history = SglangHistory()
-    body = history.fields([*ids, prompt])
-    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
-    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    history = main_turn(server, ids, prompt)
     engine.trigger_style = "scores"  # the same LoRA, read as a per-response adapter (its slots' yes / no logits)
     try:
         want = run_aux(main_session(engine, ids), tok, MESSAGES, OPEN, use_adapter=True, keep_unread=False)
@@ -238,10 +239,7 @@ def test_the_stack_on_sglang_decides_as_on_the_engine(served):
     server, engine, adapter = served
     tok = engine.tokenizer
     ids, prompt = main_ids(tok)
-    history = SglangHistory()
-    body = history.fields([*ids, prompt])
-    body["sampling_params"].update({"max_new_tokens": 1, "temperature": 0.0})
-    requests.post(f"{server.url}/generate", json=body, timeout=300).raise_for_status()
+    history = main_turn(server, ids, prompt)
     rng = np.random.default_rng(0)  # a head that follows the score: delete when P(no) is high
     train = [Decision(f"t{i % 8}", "x", 4, i, p > 0.5, "", "task", "body", "note", "call", 1, 0,
                       tuple(float(v) for v in rng.normal(size=len(FEATURES))), p)

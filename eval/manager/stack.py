@@ -21,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvsteward.serve.manager.decode import AuxDecision, drive, rule_decision
-from kvsteward.serve.manager.stack import StackManager
+from kvsteward.serve.manager.stack import StackManager, with_scores
 from kvsteward.serve.manager.thread import run_aux
 from kvsteward.synth.traces.baselines import StackClassifier
 from kvsteward.synth.traces.decisions import Decision, decisions_at
@@ -50,10 +50,6 @@ def model_scores(session, messages: list[dict], open_cursors: list[int]) -> dict
     return dict(d.confidence or {})
 
 
-def _with_scores(decisions: list[Decision], scores: dict[int, float]) -> list[Decision]:
-    return [replace(d, model_score=scores[d.cursor]) for d in decisions]
-
-
 def scored_decisions(engine, trace: Trace, every: int) -> list[Decision]:
     """The decisions of `trace` at its `every`-th boundaries with nothing deleted before, labelled by hindsight,
     each with the adapter's P(no) read on the replay's uncompressed session."""
@@ -66,7 +62,7 @@ def scored_decisions(engine, trace: Trace, every: int) -> list[Decision]:
         decisions = decisions_at(messages, open_cursors, b, set(expired(trace, b)).__contains__, trace.task_id,
                                  trace.env, trace.cues)
         if decisions:
-            out.extend(_with_scores(decisions, model_scores(session, messages, open_cursors)))
+            out.extend(with_scores(decisions, model_scores(session, messages, open_cursors)))
         return rule_decision([])  # delete nothing: every later boundary sees all earlier cursors open
 
     replay(engine, trace, every, collect, Tally())

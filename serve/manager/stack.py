@@ -15,7 +15,12 @@ from dataclasses import dataclass, replace
 from kvsteward.serve.manager.decode import AuxDecision, rule_decision
 from kvsteward.serve.manager.thread import aux_steps
 from kvsteward.synth.traces.baselines import POINTS, StackClassifier
-from kvsteward.synth.traces.decisions import decisions_at
+from kvsteward.synth.traces.decisions import Decision, decisions_at
+
+
+def with_scores(decisions: list[Decision], p_no: dict[int, float]) -> list[Decision]:
+    """The decisions with the adapter's P(no) of their cursor as the stack's model column."""
+    return [replace(d, model_score=p_no[d.cursor]) for d in decisions]
 
 
 @dataclass
@@ -43,8 +48,7 @@ class StackManager:
     def decide_with(self, messages: list[dict], open_cursors: list[int], p_no: dict[int, float]) -> AuxDecision:
         """The head's decision given the adapter's P(no) of every read open response (the engine's fork above, or
         SGLang's request: `serve.sglang.manager.SglangManager.scores_decision`)."""
-        decisions = decisions_at(messages, open_cursors, len(messages))
-        scored = [replace(d, model_score=p_no[d.cursor]) for d in decisions]
+        scored = with_scores(decisions_at(messages, open_cursors, len(messages)), p_no)
         out = rule_decision(self.head.delete(scored, self.point) if scored else [])
         out.confidence = {d.cursor: d.model_score for d in scored}
         return out
