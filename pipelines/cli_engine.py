@@ -93,7 +93,7 @@ def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
     _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
 
 
-FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "retention-only", "foresight")
+FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "pace-refresh-tail", "retention-only", "foresight")
 
 
 @engine_app.command()
@@ -183,6 +183,20 @@ def fork(model: str = typer.Option("smollm2", help=MODEL_HELP),
 
 
 @bench_app.command()
+def refresh(model: str = typer.Option("smollm2", help=MODEL_HELP),
+            sizes: str = typer.Option("512,1024,2048", help="comma-separated resident sizes r"),
+            chunk: int = typer.Option(512, help="H: the refresh's prefill chunk"),
+            repeats: int = typer.Option(3),
+            as_json: bool = typer.Option(False, "--json")) -> None:
+    """What a refresh costs at r resident tokens, same run: the full refresh, the tail refresh (only rows past the
+    fresh prefix), the engine's prefill of r tokens and the model's own transformers forward over r tokens."""
+    from kvsteward.serve.bench import checks
+
+    rs = tuple(int(x) for x in sizes.split(",") if x.strip())
+    _emit(checks.bench_refresh(_engine(model), rs, chunk, repeats, progress=_progress), as_json)
+
+
+@bench_app.command()
 def rehydrate(model: str = typer.Option("smollm2", help=MODEL_HELP),
               span_tokens: int = typer.Option(440, help="tokens of the planned span that is spilled and rehydrated"),
               budget: int = typer.Option(512), limit: int = typer.Option(2048),
@@ -241,8 +255,9 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
                  threads: int = typer.Option(2, help="OMP threads of each server"),
                  match_scaling: bool = typer.Option(True, help="also time match_prefix vs conversation length"),
                  log_dir: str = typer.Option("", help="keep the servers' logs here"),
-                 workload: str = typer.Option("synthetic", help="synthetic (generated tool responses) or bfcl (BFCL "
-                                              "v4 multi-turn conversations with executed tool responses)"),
+                 workload: str = typer.Option("synthetic", help="synthetic (generated tool responses), bfcl (BFCL v4 "
+                                              "multi-turn long_context: executed tool responses, some of 650-1,300 "
+                                              "tokens) or bfcl-base (the same conversations, short responses)"),
                  repeats: int = typer.Option(3, help="rounds, the arm order reversed every other round"),
                  arms: str = typer.Option(SGLANG_ARMS, help="comma-separated arms to run (of these)"),
                  sessions: int = typer.Option(0, help="sessions in all (0: --concurrency)"),
@@ -261,8 +276,8 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
     chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
     if not chosen or set(chosen) - set(bench.ARMS):
         raise typer.BadParameter(f"--arms {arms!r}: choose among {', '.join(bench.ARMS)}")
-    if workload not in ("synthetic", "bfcl"):
-        raise typer.BadParameter(f"--workload {workload!r}: synthetic or bfcl")
+    if workload not in bench.WORKLOADS:
+        raise typer.BadParameter(f"--workload {workload!r}: one of {', '.join(bench.WORKLOADS)}")
     folder = models.resolve(model)
     tok = models.load_tokenizer(model)
     result = bench.bench_sglang(folder, tok, concurrency=concurrency, turns=turns, max_new_tokens=max_new_tokens,

@@ -186,3 +186,119 @@ def test_server_serves_pace_refresh(tmp_path):
     assert unplanned.status_code == 200  # nothing planned: the arm never refreshes
     bad = c.post("/v1/chat/completions", json={**body, "limit": None})
     assert bad.status_code == 400 and "limit" in bad.text  # a bounded arm without L is named
+
+
+def _fresh_kv_error(engine: Engine, s) -> float:
+    """Max |ΔK|, |ΔV| between the session's resident rows and a new session of its resident tokens."""
+    fresh = engine.session("full", chunk=s.config.chunk)
+    fresh.append(s.table.field("token").tolist())
+    r = s.resident
+    return max(max(float((s.table.k[i][:, :r] - fresh.table.k[i][:, :r]).abs().max()),
+                   float((s.table.v[i][:, :r] - fresh.table.v[i][:, :r]).abs().max())) for i in range(engine.n_layers))
+
+
+tail_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(1, 14)),
+        st.tuples(st.just("drop"), st.floats(0.05, 0.5)),
+        st.tuples(st.just("reposition"), st.just(0)),
+        st.tuples(st.just("refresh"), st.just(0)),
+    ),
+    min_size=1, max_size=10,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=tail_ops, seed=st.integers(0, 10_000), evicting=st.booleans())
+def test_a_tail_refresh_equals_the_full_refresh(engine, ops, seed, evicting):
+    """Over random appends, drops, repositions, evictions and renumbers: a tail refresh leaves K/V equal (to rounding)
+    to a new session of the resident tokens and to the full refresh of the same state, the same logits, and it
+    re-encodes only the rows past the fresh prefix (never more than the full refresh's r)."""
+    rng = torch.Generator().manual_seed(seed)
+    kw = {"budget": 20, "chunk": 6, "limit": 48} if evicting else {"chunk": 5}
+    s = engine.session("positions-only" if evicting else "full", **kw)
+    s.append(rand_tokens(8, seed))
+    for op, arg in ops:
+        if op == "append":
+            s.append(torch.randint(0, 256, (arg,), generator=rng).tolist(), kind="tool" if arg % 2 else "user")
+        elif op == "drop":
+            resident = s.resident_logical().tolist()
+            k = min(len(resident) - 1, max(0, int(len(resident) * arg)))
+            if k:
+                s.drop([resident[i] for i in torch.randperm(len(resident), generator=rng)[:k].tolist()])
+        elif op == "reposition":
+            s.reposition()
+        else:
+            full = s.fork()
+            full.refresh()
+            r, k = s.resident, min(s.fresh_rows, s.resident - 1)
+            before = s.refresh_tokens
+            s.refresh(tail=True)
+            assert s.refresh_tokens - before == r - k and s.fresh_rows == r
+            assert s.history[-1] == ({"op": "refresh", "from": k} if k else {"op": "refresh"})
+            torch.testing.assert_close(s.last_logits, full.last_logits, atol=5e-5, rtol=1e-4)
+            assert s.resident_positions().tolist() == list(range(r)) and s.next_pos == r
+            for name in ("logical", "step", "is_tool", "cumulative", "token"):
+                assert torch.equal(s.table.field(name), full.table.field(name))
+            assert _fresh_kv_error(engine, s) < 5e-5
+        assert s.fresh_rows <= s.resident
+        if s.fresh_rows:  # the invariant itself: the prefix is what a new session of those tokens computes
+            head = engine.session("full", chunk=7)
+            head.append(s.table.field("token")[: s.fresh_rows].tolist())
+            for i in range(engine.n_layers):
+                torch.testing.assert_close(s.table.k[i][:, : s.fresh_rows], head.table.k[i][:, : s.fresh_rows],
+                                           atol=5e-5, rtol=1e-4)
+    y = rand_tokens(4, seed + 1)
+    ref = ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
+    torch.testing.assert_close(s.append(y, logits="all")[-1], ref.replay(s.history)[-1], atol=5e-5, rtol=1e-4)
+
+
+def test_pace_refresh_tail_refreshes_at_the_same_steps_for_less(engine):
+    """The tail arm refreshes at the same reader openings as pace-refresh, with the same logits at every step to
+    rounding, and re-encodes fewer tokens when the rows before the first eviction stay (the sinks and a planned span
+    at the start are never evicted)."""
+    plan = [{"span": [4, 24], "readers": [6, 8]}, {"span": [44, 64], "readers": [8]}]
+    full = engine.session("pace-refresh", budget=96, chunk=16, limit=256, blueprint=plan)
+    tail = engine.session("pace-refresh-tail", budget=96, chunk=16, limit=256, blueprint=plan)
+    for i in range(10):
+        toks = rand_tokens(4 if i == 0 else 20, seed=i)
+        torch.testing.assert_close(tail.append(toks), full.append(toks), atol=5e-5, rtol=1e-4)
+    strip = [{k: v for k, v in op.items() if k != "from"} for op in tail.history]
+    assert strip == full.history and tail.refreshes == full.refreshes == 2
+    starts = [op.get("from") for op in tail.history if op["op"] == "refresh"]
+    assert all(k >= 24 for k in starts)  # the sinks and the first span are never evicted: they stay as encoded
+    assert (tail.refresh_tokens, full.refresh_tokens) == (sum(96 - k for k in starts), 2 * 96)
+
+
+def test_the_fresh_prefix_holds_through_rehydration(engine):
+    """A tiered session spills a planned span, refreshes, and brings the span back: after every step the rows counted
+    fresh are what a new session of those tokens computes, and a tail refresh then equals a new session of all
+    resident tokens."""
+    plan = [{"span": [0, 40], "readers": [8]}, {"span": [40, 80], "readers": [5]}]  # A and B do not fit B together
+    s = engine.session("pace-tiered", budget=112, chunk=16, limit=512, blueprint=plan)
+    for i in range(9):
+        s.append(rand_tokens(40 if i < 2 else 32 if i < 8 else 3, seed=40 + i))
+        if i == 6:
+            s.refresh()  # every row fresh; the rehydration at step 8 then lands in the middle of them
+        if s.fresh_rows:
+            head = engine.session("full", chunk=16)
+            head.append(s.table.field("token")[: s.fresh_rows].tolist())
+            for layer in range(engine.n_layers):
+                torch.testing.assert_close(s.table.k[layer][:, : s.fresh_rows],
+                                           head.table.k[layer][:, : s.fresh_rows], atol=5e-5, rtol=1e-4)
+    assert "rehydrate" in {op["op"] for op in s.history}
+    s.refresh(tail=True)
+    assert _fresh_kv_error(engine, s) < 5e-5
+
+
+def test_bench_refresh_reports_both_refreshes_beside_the_forwards(engine):
+    """`steward bench refresh`: per size, the session evicted (r = budget), the tail re-encoded r − fresh_rows
+    tokens (< r when the first eviction left a prefix), and every timing is a positive number."""
+    from kvsteward.serve.bench.checks import bench_refresh
+
+    rows = bench_refresh(engine, sizes=(96, 160), chunk=32, repeats=1)
+    assert [row["r"] for row in rows] == [96, 160]
+    for row in rows:
+        assert row["tail_tokens"] == row["r"] - min(row["fresh_rows"], row["r"] - 1) <= row["r"]
+        for key in ("refresh_s", "refresh_tail_s", "engine_prefill_s", "hf_forward_s"):
+            assert row[key] > 0

@@ -235,3 +235,29 @@ def test_cli(tmp_path):
         m["role"] == "tool" for x in lines for m in x["messages"])
     bad = CliRunner().invoke(app, ["synth", "bfcl", "--out", str(out), "--categories", "miss_func"])
     assert bad.exit_code == 2
+
+
+def test_the_bench_workloads_and_what_the_pool_must_hold(tok):
+    """`--workload bfcl` replays `long_context` (long tool responses, where a drop frees something), `bfcl-base`
+    the short ones; `footprint` plays the sessions' drops without a server: the final rows are the histories minus
+    exactly the dropped messages."""
+    from kvsteward.serve.bench.sglang import footprint, workload_sessions
+
+    long = workload_sessions(tok, "bfcl", 3, 14, keep=2, reposition_every=0)
+    base = workload_sessions(tok, "bfcl-base", 3, 14, keep=2, reposition_every=0)
+    longest = [max(len(ids) for role, ids in s.pieces if role == "tool") for s in (long[0], base[0])]
+    assert longest[0] > 500 > 100 > longest[1]
+    got = footprint(long)
+    want_rows = want_hist = 0
+    for s in long:  # footprint works on copies: the sessions are still unplayed
+        assert s.turn == 0 and not s.messages
+        while not s.done():
+            msgs, cache = s.request()
+            s.reply()
+        gone = {i for ids in cache["drop"].values() for i in ids}
+        assert gone
+        want_rows += sum(len(m) for i, m in enumerate(msgs) if i not in gone)
+        want_hist += sum(len(m) for m in msgs)
+    assert got == {"rows": want_rows, "histories": want_hist} and got["rows"] < got["histories"]
+    with pytest.raises(ValueError, match="bfcl-base"):
+        workload_sessions(tok, "bfcl-long", 1, 2, keep=2, reposition_every=0)

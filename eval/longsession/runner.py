@@ -77,6 +77,8 @@ class ProbeRow:
     resident: int = 0
     kv_bytes: int = 0
     max_position: int = 0
+    refreshes: int = 0  # refreshes so far in the session (pace-refresh arms), and the tokens they re-encoded
+    refresh_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -103,7 +105,8 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
     return {"residency": scoring.residency(set(wanted.tolist()), set(logical[hit].tolist())),
             "rotary_gap": scoring.rotary_gap(s.next_pos, positions[hit].tolist()),
             "resident": s.resident, "kv_bytes": s.table.kv_bytes(),
-            "max_position": int(positions.max()) if positions.numel() else 0}
+            "max_position": int(positions.max()) if positions.numel() else 0,
+            "refreshes": s.refreshes, "refresh_tokens": s.refresh_tokens}
 
 
 def resident_point(s: EngineSession) -> dict:
@@ -208,7 +211,12 @@ def summarize(rows: list[ProbeRow], walls: dict[str, float], peaks: dict[str, in
                              "residency": scoring.mean([r.residency for r in facts]),
                              "rotary_gap": scoring.mean([r.rotary_gap for r in facts]), "n": len(facts),
                              "by_fact": _by_fact(facts)}
-        arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0)}
+        last = {}  # per session, its last probe's running totals
+        for r in sorted((r for rs in by[arm].values() for r in rs), key=lambda r: r.refresh_tokens):
+            last[r.session] = r
+        arms[arm] = {"by_distance": cells, "peak_resident_slots": peaks.get(arm, 0), "wall_s": walls.get(arm, 0.0),
+                     "refreshes": sum(r.refreshes for r in last.values()),
+                     "refresh_tokens": sum(r.refresh_tokens for r in last.values())}
         if series and arm in series:
             arms[arm]["resident_series"] = series[arm]
     paired = {}

@@ -212,6 +212,58 @@ def bench_fork(engine: Engine, resident: int = 1536, chunk: int = 512, repeats: 
     return {"full": costs(full), "h2o": costs(h2o)}
 
 
+def bench_refresh(engine: Engine, sizes: tuple[int, ...] = (512, 1024, 2048), chunk: int = 512, repeats: int = 3,
+                  progress: Progress | None = None) -> list[dict]:
+    """What a refresh costs, same run, per resident size r: `Session.refresh()` on an h2o session at budget r that
+    has evicted (2r tokens seen), the tail refresh of the same state (`refresh(tail=True)`: only rows past the fresh
+    prefix; how many it re-encoded is in `tail_tokens`, set by where this session's first eviction fell), the
+    engine's prefill of r tokens into a new session, and the model's own transformers forward over r tokens (no
+    cache). Medians of `repeats`; each refresh runs on a fresh copy fork (the fork is not timed)."""
+    import statistics
+
+    def timed(fn, setup=lambda: None) -> float:
+        times = []
+        for _ in range(repeats):
+            state = setup()
+            t0 = time.perf_counter()
+            fn(state)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    rows = []
+    for r in sizes:
+        toks = _tokens(2 * r, engine.vocab_size, r)
+        s = engine.session("h2o", budget=r, chunk=chunk)
+        for start in range(0, 2 * r, chunk):
+            s.append(toks[start:start + chunk], kind="tool" if start % (2 * chunk) else "user", logits=None)
+        probe = s.fork()
+        probe.refresh(tail=True)
+        tail_tokens = probe.refresh_tokens
+        x = torch.tensor([toks[:r]])
+
+        def hf(_, x: torch.Tensor = x) -> None:
+            with torch.inference_mode():
+                engine.model(input_ids=x, use_cache=False, logits_to_keep=1)
+
+        head = toks[:r]
+
+        row = {"r": s.resident, "fresh_rows": s.fresh_rows, "tail_tokens": tail_tokens,
+               "refresh_s": timed(lambda f: f.refresh(), s.fork),
+               "refresh_tail_s": timed(lambda f: f.refresh(tail=True), s.fork),
+               "engine_prefill_s": timed(lambda f, head=head: f.append(head, logits=None),
+                                         lambda: engine.session("full", chunk=chunk)),
+               "hf_forward_s": timed(hf)}
+        row["refresh_tok_s"] = row["r"] / row["refresh_s"]
+        row["hf_forward_tok_s"] = row["r"] / row["hf_forward_s"]
+        row["refresh_over_hf"] = row["refresh_s"] / row["hf_forward_s"]
+        row["tail_over_full"] = row["refresh_tail_s"] / row["refresh_s"]
+        rows.append(row)
+        if progress:
+            progress(f"r={r}: refresh {row['refresh_s']:.3f} s ({row['refresh_tok_s']:.0f} tok/s), tail "
+                     f"{row['refresh_tail_s']:.3f} s ({tail_tokens} tokens), HF forward {row['hf_forward_s']:.3f} s")
+    return rows
+
+
 def bench_rehydrate(engine: Engine, span_tokens: int = 440, filler_messages: int = 6, budget: int = 512,
                     chunk: int = 512, limit: int = 2048, disk_dir: str | None = None, valkey_url: str | None = None,
                     repeats: int = 3) -> dict:

@@ -183,6 +183,8 @@ def _find(d, key):
 
 
 ARMS = ("default", "kvsteward_nofree", "kvsteward", "kvsteward_aux")
+BFCL_WORKLOADS = {"bfcl": "long_context", "bfcl-base": "base"}  # workload -> BFCL v4 multi-turn category
+WORKLOADS = ("synthetic", *BFCL_WORKLOADS)
 AUX_TRIGGER = "Memory management mode"
 
 
@@ -271,19 +273,20 @@ def synthetic_conversations(tokenizer, n: int, turns: int, tool_words: int = 60,
 
 def workload_sessions(tokenizer, workload: str, n: int, turns: int, keep: int, reposition_every: int,
                       tool_words: int = 60, ops: bool = True) -> list[ReplaySession]:
-    """The sessions of a workload: `bfcl` (BFCL v4 multi-turn `base` conversations with their executed ground-truth
-    calls and real tool responses, `kvsteward.synth.traces.bfcl`) or `synthetic`; at most `turns` assistant turns
-    each."""
+    """The sessions of a workload, at most `turns` assistant turns each: `bfcl` (BFCL v4 multi-turn `long_context`
+    conversations with their executed ground-truth calls and real tool responses, `kvsteward.synth.traces.bfcl`:
+    the category whose tool responses run to 650-1,300 tokens, where a drop frees something), `bfcl-base` (the same
+    conversations in `base`, tool responses of 10-60 tokens) or `synthetic`."""
     from kvsteward.synth.chat import generation_prompt, message_token_ids
 
-    if workload == "bfcl":
+    if workload in BFCL_WORKLOADS:
         from kvsteward.synth.traces.bfcl import bfcl_sessions
 
-        convs = bfcl_sessions(["base"], n, form="trace")
+        convs = bfcl_sessions([BFCL_WORKLOADS[workload]], n, form="trace")
     elif workload == "synthetic":
         convs = synthetic_conversations(tokenizer, n, turns, tool_words)
     else:
-        raise ValueError(f"unknown workload {workload!r} (bfcl | synthetic)")
+        raise ValueError(f"unknown workload {workload!r} ({' | '.join(WORKLOADS)})")
     prompt = tokenizer.encode(generation_prompt(tokenizer, [{"role": "user", "content": "x"}]),
                               add_special_tokens=False)
     out = []
@@ -293,6 +296,25 @@ def workload_sessions(tokenizer, workload: str, n: int, turns: int, keep: int, r
         out.append(ReplaySession(pieces, prompt, keep=keep, reposition_every=reposition_every, ops=ops,
                                  max_turns=turns))
     return out
+
+
+def footprint(sessions: list[ReplaySession]) -> dict:
+    """What the pool must hold at the end of the replays, without a server: `rows` = the final physical rows (what
+    the prompts keep after the drops) summed over sessions, `histories` = the full conversations. A pool between the
+    two is the benchmark's pressure point (rows fit, histories do not)."""
+    import copy
+
+    rows = histories = 0
+    for s in sessions:
+        s = copy.deepcopy(s)
+        msgs: list[list[int]] = []
+        while not s.done():
+            msgs, cache = s.request()
+            s.reply()
+        dropped = {i for ids in cache["drop"].values() for i in ids} if msgs else set()
+        rows += sum(len(m) for i, m in enumerate(msgs) if i not in dropped)
+        histories += sum(len(m) for m in msgs)
+    return {"rows": rows, "histories": histories}
 
 
 def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: str, aux_trigger: list[int],
@@ -466,6 +488,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
     out["repeats"] = rounds
     out["no_op_mean_latency_s"] = no_ops
     out["workload"] = {"model": model_dir, "workload": workload, "sessions": n, "concurrency": n,
+                       "final_tokens": footprint(make()),
                        "turns": turns, "max_new_tokens": max_new_tokens, "keep_tool_responses": keep,
                        "reposition_every_nth_drop": reposition_every, "tool_words": tool_words, "dtype": dtype,
                        "max_total_tokens": max_total_tokens, "server_threads": threads, "repeats": repeats,
@@ -482,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=bench_sglang.__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--workload", default="synthetic", choices=["synthetic", "bfcl"])
+    p.add_argument("--workload", default="synthetic", choices=list(WORKLOADS))
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)

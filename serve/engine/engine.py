@@ -8,7 +8,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from kvsteward.serve.engine.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.engine.policies import ARMS, POLICIES, REFRESH_ARMS, TIERED_ARMS, get_policy
+from kvsteward.serve.engine.policies import ARMS, POLICIES, REFRESH_ARMS, TAIL_REFRESH_ARMS, TIERED_ARMS, get_policy
 from kvsteward.serve.engine.session import Session, SessionConfig
 from kvsteward.serve.engine.spill import SpillStore, host_store
 
@@ -125,7 +125,8 @@ class Engine:
         """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
         (positions-only, retention-only, pace, pace-tiered, pace-refresh: the arm fixes the position mode; bounded arms
         need `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them; pace-refresh
-        re-encodes the resident tokens when a step that reads a planned span opens)."""
+        re-encodes the resident tokens when a step that reads a planned span opens; pace-refresh-tail only those past
+        the fresh prefix)."""
         name = policy
         if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]
@@ -142,7 +143,7 @@ class Engine:
             spans = parse_blueprint(blueprint)
         cfg = SessionConfig(policy=pol, budget=budget if pol.evicts else None, chunk=chunk, limit=limit,
                             blueprint=spans, spill=self.spill if policy in TIERED_ARMS else None,
-                            refresh=policy in REFRESH_ARMS)
+                            refresh=policy in REFRESH_ARMS, refresh_tail=policy in TAIL_REFRESH_ARMS)
         return Session(self, cfg)
 
     def kv_bytes_per_token(self) -> int:

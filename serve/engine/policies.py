@@ -113,11 +113,14 @@ ARMS: dict[str, tuple[str, bool]] = {
     "pace": ("foresight", True),
     "pace-tiered": ("foresight", True),
     "pace-refresh": ("foresight", True),
+    "pace-refresh-tail": ("foresight", True),
 }
 # Arms whose evicted planned spans go to a storage tier and are rehydrated when their reader step opens.
 TIERED_ARMS = frozenset({"pace-tiered"})
 # Arms that re-encode their resident tokens afresh (`Session.refresh`) when a step that reads a planned span opens.
-REFRESH_ARMS = frozenset({"pace-refresh"})
+REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail"})
+# Of those, the arms whose refresh keeps the fresh prefix (rows no eviction before them touched), re-encodes the rest.
+TAIL_REFRESH_ARMS = frozenset({"pace-refresh-tail"})
 
 
 def get_policy(name: str, **overrides) -> Policy:

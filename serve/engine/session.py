@@ -10,6 +10,9 @@ Operations (each appended to `history`, which is the state's identity — AKV Fi
   every K and V becomes what a new session holding only those tokens would compute; what evicted or dropped tokens
   had contributed to them is gone. Metadata (logical index, step, scores) is kept; next at r. With `refresh` set in
   the config (the `pace-refresh` arm), the session refreshes itself when a step that reads a planned span opens.
+  With `refresh_tail` as well (`pace-refresh-tail`), it re-encodes only the rows past the fresh prefix: the leading
+  resident rows that no eviction, drop or rehydration before them has touched since they were encoded are already what
+  a new session computes (causal attention: a row's K/V depend only on the rows before it), so they stay.
 - bounded positions (limit L): before a chunk would reach L, resident slots are renumbered the same way (`renumber`).
 - tiered rehydration (a spill store, `serve/engine/spill.py`): evicted tokens of planned spans with a reader still
 ahead are
@@ -56,6 +59,7 @@ class SessionConfig:
     spill: SpillStore | None = None  # tiered rehydration of planned spans (None: evicted means gone)
     refresh: bool = False  # refresh the resident K/V when a step that reads a planned span opens (pace-refresh;
     # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
+    refresh_tail: bool = False  # those refreshes keep the fresh prefix and re-encode the rest (pace-refresh-tail)
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -110,6 +114,10 @@ class Session:
         self.peak_resident = 0
         self.renumbers = 0
         self.refreshes = 0
+        self.refresh_tokens = 0  # tokens re-encoded by refreshes (what they cost: a prefill of this many)
+        # Leading resident rows whose K/V equal (to rounding) a new session's of those tokens at positions 0..k-1:
+        # grown by appends to an untouched table, cut at the first row an eviction / drop / rehydration touches.
+        self.fresh_rows = 0
         self.spilled: dict[int, str] = {}  # evicted planned logical index -> blob key in config.spill
         self._track_spill()
 
@@ -153,7 +161,7 @@ class Session:
             if self.config.spill is not None:
                 self._rehydrate_for(self.n_messages)  # before the step opens: a failed fetch changes nothing
             if self.config.refresh and self.table.n and self._reads_plan(self.n_messages):
-                self._refresh({"op": "refresh", "reader": self.n_messages})
+                self._refresh({"op": "refresh", "reader": self.n_messages}, tail=self.config.refresh_tail)
             self.current_step = self.n_messages
             self.n_messages += 1
             if kind == "tool":
@@ -189,6 +197,7 @@ class Session:
             return
         target = torch.tensor(idx, dtype=torch.long)
         gone = torch.isin(self.table.field("logical"), target)
+        self._cut_fresh(~gone)
         self.table.keep(torch.nonzero(~gone).view(-1))
         for i in idx:
             self.status[i] = DROPPED
@@ -202,13 +211,16 @@ class Session:
         self._renumber()
         self.history.append({"op": "reposition"})
 
-    def refresh(self) -> None:
+    def refresh(self, tail: bool = False) -> None:
         """Encode the resident tokens afresh at positions 0..r-1 (in logical order, chunk H) and replace their K/V;
         the logits become the fresh forward's last. Costs a prefill of r tokens; needs twice the resident KV while
-        it runs (the old table stays intact until the new one is complete, so a failure changes nothing)."""
+        it runs (the old table stays intact until the new one is complete, so a failure changes nothing).
+        `tail=True`: keep the fresh prefix (`fresh_rows`, already what a new session computes) and re-encode the rest,
+        at least the last row; the result equals the full refresh to rounding (chunk boundaries differ), not bit
+        for bit."""
         if self.table.n == 0:
             raise CacheOpError("refresh on an empty cache: nothing is resident")
-        self._refresh({"op": "refresh"})
+        self._refresh({"op": "refresh"}, tail=tail)
 
     # -- internals ----------------------------------------------------------------------------------------------
     def _check_window(self, n_new: int) -> None:
@@ -225,12 +237,23 @@ class Session:
         if peak > window:
             raise CacheOpError(_window_refusal(self.engine, f"{peak} resident tokens in one forward"))
 
-    def _refresh(self, record: dict) -> None:
+    def _refresh(self, record: dict, tail: bool = False) -> None:
+        """Re-encode the resident rows at 0..r-1; `tail`: only rows from the fresh prefix's end on (at least the last,
+        whose logits become the session's). The old table stays intact until the new one is complete."""
         old = self.table
         r = old.n
+        tokens = old.field("token").tolist()
         fresh = Session(self.engine, SessionConfig(policy=POLICIES["full"], chunk=self.config.chunk,
                                                    use_adapter=self.config.use_adapter))
-        fresh.append(old.field("token").tolist(), logits="last")
+        k = min(self.fresh_rows, r - 1) if tail else 0
+        if k and not bool((old.field("position")[:k] == torch.arange(k)).all()):
+            k = 0  # (never expected: a fresh prefix sits at 0..k-1) re-encode everything rather than guess
+        if k:
+            prefix = old.clone()
+            prefix.keep(torch.arange(k))
+            fresh.table, fresh.next_pos, fresh.tokens, fresh.status = prefix, k, tokens[:k], bytearray(k)
+            record = {**record, "from": k}
+        fresh.append(tokens[k:], logits="last")
         t = fresh.table
         for name in ("logical", "step", "is_tool", "cumulative", "window"):
             t.meta[name][:r] = old.meta[name][:r]
@@ -238,7 +261,15 @@ class Session:
         self.next_pos = r
         self.last_logits = fresh.last_logits
         self.refreshes += 1
+        self.refresh_tokens += r - k
+        self.fresh_rows = r
         self.history.append(record)
+
+    def _cut_fresh(self, kept: torch.Tensor) -> None:
+        """Rows are about to leave (`kept` False): rows after the first to go were encoded with it in view."""
+        gone = torch.nonzero(~kept).view(-1)
+        if gone.numel():
+            self.fresh_rows = min(self.fresh_rows, int(gone[0]))
 
     def _reads_plan(self, step: int) -> bool:
         return any(step in span.readers for span in self.config.blueprint)
@@ -285,6 +316,7 @@ class Session:
         t = self.table
         t.reserve(c)
         positions = torch.arange(self.next_pos, self.next_pos + c, dtype=torch.long, device=t.device)
+        extends_fresh = self.fresh_rows == t.n and self.next_pos == t.n  # an untouched table at 0..n-1 stays so
         policy = self.config.policy
         ctx = ForwardContext(n_old=t.n, score_mode=policy.score_mode, window=policy.window,
                              n_layers=self.engine.n_layers, prefix=t.prefix)
@@ -309,6 +341,8 @@ class Session:
         self.tokens.extend(chunk)
         self.status.extend(bytes(c))
         self.next_pos += c
+        if extends_fresh:
+            self.fresh_rows = t.n
         self.last_logits = logits[-1]
         self.peak_resident = max(self.peak_resident, t.n)
         self._evict()
@@ -336,6 +370,7 @@ class Session:
             self.status[i] = EVICTED
         if self.config.spill is not None:
             self._spill(torch.nonzero(~kept).view(-1), view)
+        self._cut_fresh(kept)
         self.table.keep(keep)
         self.history.append({"op": "evict", "indices": evicted})
 
@@ -395,6 +430,7 @@ class Session:
             self._evict(budget - len(wanted))
         finally:
             self.current_step = saved
+        self.fresh_rows = min(self.fresh_rows, int((self.table.field("logical") < wanted[0]).sum()))
         for rows in picked:
             self.table.insert(rows)
         for i in wanted:

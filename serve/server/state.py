@@ -102,6 +102,7 @@ def unreposition(session, k: int) -> None:
         t.ref_k = None  # a fresh build takes reference keys at its first move; p = p_ref here, so K = K_ref exactly
     session.next_pos = plan.next_pos
     session.renumbers = plan.renumbers
+    session.fresh_rows = 0  # (only a tail refresh reads it: re-encode everything rather than reason about the undo)
     session.history = list(base)
 
 
