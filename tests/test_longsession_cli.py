@@ -117,16 +117,23 @@ def test_planner_option_reports_its_edges_and_says_the_plan_is_not_the_oracle(ti
 
 
 def test_ops_domain_and_the_refresh_arm(tiny_folder, tmp_path):
-    """`--domain ops` plays the operations sessions (its own fact probes), `pace-refresh` runs beside pace, and the
-    result names the domain; an unknown domain is refused before the model loads."""
+    """`--domain ops` plays the operations sessions (its own fact probes), `pace-refresh` and `pace-refresh-tail` run
+    beside pace with their refresh counts, and the result names the domain; an unknown domain is refused before the
+    model loads."""
     common = ["eval", "longsession", "--model", str(tiny_folder), "--budget", "128", "--chunk", "64", "--limit",
               "512", "--no-code", "--no-mlflow", "--json", "--length", "1200", "--distances", "300", "--sessions",
               "1", "--seed", "4"]
-    run = _steward(*common, "--arms", "pace,pace-refresh", "--domain", "ops", "--out", str(tmp_path / "ops"))
+    run = _steward(*common, "--arms", "pace,pace-refresh,pace-refresh-tail", "--domain", "ops", "--out",
+                   str(tmp_path / "ops"))
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["domain"] == "ops" and set(result["arms"]) == {"pace", "pace-refresh"}
-    assert result["arms"]["pace-refresh"]["by_distance"]["300"]["n"] == 3
+    arms = result["arms"]
+    assert result["domain"] == "ops" and set(arms) == {"pace", "pace-refresh", "pace-refresh-tail"}
+    assert arms["pace-refresh"]["by_distance"]["300"]["n"] == 3
+    # the refreshes and what they re-encoded, per arm: pace none, the tail the same refreshes for fewer tokens
+    assert arms["pace"]["refreshes"] == arms["pace"]["refresh_tokens"] == 0
+    assert arms["pace-refresh"]["refreshes"] == arms["pace-refresh-tail"]["refreshes"] > 0
+    assert 0 < arms["pace-refresh-tail"]["refresh_tokens"] <= arms["pace-refresh"]["refresh_tokens"]
     sessions = [json.loads(line) for line in (tmp_path / "ops" / "sessions.jsonl").read_text().splitlines()]
     assert [s["id"].startswith("lsops") for s in sessions] == [True]
     assert {p["id"] for p in sessions[0]["probes"]} == {"fact:latency_p99_ms", "fact:failover_region", "fact:pager",
