@@ -197,19 +197,8 @@ def _fresh_kv_error(engine: Engine, s) -> float:
                    float((s.table.v[i][:, :r] - fresh.table.v[i][:, :r]).abs().max())) for i in range(engine.n_layers))
 
 
-tail_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("append"), st.integers(1, 14)),
-        st.tuples(st.just("drop"), st.floats(0.05, 0.5)),
-        st.tuples(st.just("reposition"), st.just(0)),
-        st.tuples(st.just("refresh"), st.just(0)),
-    ),
-    min_size=1, max_size=10,
-)
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=tail_ops, seed=st.integers(0, 10_000), evicting=st.booleans())
+@given(ops=op_strategy, seed=st.integers(0, 10_000), evicting=st.booleans())
 def test_a_tail_refresh_equals_the_full_refresh(engine, ops, seed, evicting):
     """Over random appends, drops, repositions, evictions and renumbers: a tail refresh leaves K/V equal (to rounding)
     to a new session of the resident tokens and to the full refresh of the same state, the same logits, and it

@@ -178,22 +178,27 @@ def bench_tiers(engine: Engine, tokens: int = 4096, budget: int = 512, chunk: in
     return out
 
 
+def _median_time(fn: Callable, setup: Callable, repeats: int) -> float:
+    """Median wall time of `fn(setup())` over `repeats` runs; the setup is not timed."""
+    import statistics
+
+    times = []
+    for _ in range(repeats):
+        state = setup()
+        t0 = time.perf_counter()
+        fn(state)
+        times.append(time.perf_counter() - t0)
+        del state
+    return statistics.median(times)
+
+
 def bench_fork(engine: Engine, resident: int = 1536, chunk: int = 512, repeats: int = 5) -> dict:
     """What forking costs the parent (the aux thread's fork, inside a main turn), same run: a copy fork vs a shared
     fork (`fork(shared=True)`: no K/V copied), and the parent's next decode step with no fork vs with a live shared
     fork, for a `full` session (the server's default: nothing is compacted) and an `h2o` session at its budget (the
     step evicts one slot, so it compacts into fresh buffers: copy-on-write). Medians."""
-    import statistics
-
     def timed(fn, setup=lambda: None) -> float:
-        times = []
-        for _ in range(repeats):
-            state = setup()
-            t0 = time.perf_counter()
-            fn(state)
-            times.append(time.perf_counter() - t0)
-            del state
-        return statistics.median(times)
+        return _median_time(fn, setup, repeats)
 
     def costs(s) -> dict:
         def with_reader():
@@ -219,16 +224,8 @@ def bench_refresh(engine: Engine, sizes: tuple[int, ...] = (512, 1024, 2048), ch
     prefix; how many it re-encoded is in `tail_tokens`, set by where this session's first eviction fell), the
     engine's prefill of r tokens into a new session, and the model's own transformers forward over r tokens (no
     cache). Medians of `repeats`; each refresh runs on a fresh copy fork (the fork is not timed)."""
-    import statistics
-
     def timed(fn, setup=lambda: None) -> float:
-        times = []
-        for _ in range(repeats):
-            state = setup()
-            t0 = time.perf_counter()
-            fn(state)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return _median_time(fn, setup, repeats)
 
     rows = []
     for r in sizes:
