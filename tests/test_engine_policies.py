@@ -67,6 +67,24 @@ def test_foresight_planned_outrank_unplanned():
     assert not {5, 6, 7} & set(select_keep(h2o.score(v), v, h2o, budget=5).tolist())
 
 
+def test_foresight_recent_keeps_plan_then_one_recent_window():
+    """foresight-recent: planned spans first, then the newest tokens as one contiguous run, whatever attention said
+    (the heavy hitters that foresight keeps scattered through the session are ignored)."""
+    p = get_policy("foresight-recent", sinks=2, recent=0)
+    cum = torch.zeros(40)
+    cum[12] = cum[20] = 100.0  # heavy hitters: foresight keeps them, foresight-recent must not
+    v = view(40, cumulative=cum, blueprint=parse_blueprint([{"span": [5, 9], "readers": [4]}]), current_step=2)
+    assert select_keep(p.score(v), v, p, budget=12).tolist() == [0, 1, 5, 6, 7, 8, 34, 35, 36, 37, 38, 39]
+    h2o_like = get_policy("foresight", sinks=2, recent=0)
+    assert {12, 20} <= set(select_keep(h2o_like.score(v), v, h2o_like, budget=12).tolist())
+    # past the plan's last reader the span is ordinary text: the window takes its room
+    v = view(40, blueprint=parse_blueprint([{"span": [5, 9], "readers": [4]}]), current_step=5)
+    assert select_keep(p.score(v), v, p, budget=12).tolist() == [0, 1, *range(30, 40)]
+    # recency stays below any live bonus, even when the reader is thousands of steps away and the session is long
+    far = view(10_000, blueprint=parse_blueprint([{"span": [5, 9], "readers": [5_000]}]), current_step=0)
+    assert set(range(5, 9)) <= set(select_keep(p.score(far), far, p, budget=12).tolist())
+
+
 def test_streaming_keeps_sinks_and_recent():
     p = get_policy("streaming", sinks=4)
     v = view(100)

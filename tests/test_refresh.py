@@ -245,10 +245,10 @@ def test_a_tail_refresh_equals_the_full_refresh(engine, ops, seed, evicting):
 def test_pace_refresh_tail_refreshes_at_the_same_steps_for_less(engine):
     """The tail arm refreshes at the same reader openings as pace-refresh, with the same logits at every step to
     rounding, and re-encodes fewer tokens when the rows before the first eviction stay (the sinks and a planned span
-    at the start are never evicted)."""
+    at the start are never evicted: sinks, recent window and both spans fit B)."""
     plan = [{"span": [4, 24], "readers": [6, 8]}, {"span": [44, 64], "readers": [8]}]
-    full = engine.session("pace-refresh", budget=96, chunk=16, limit=256, blueprint=plan)
-    tail = engine.session("pace-refresh-tail", budget=96, chunk=16, limit=256, blueprint=plan)
+    full = engine.session("pace-refresh", budget=96, chunk=16, limit=256, blueprint=plan, recent=16)
+    tail = engine.session("pace-refresh-tail", budget=96, chunk=16, limit=256, blueprint=plan, recent=16)
     for i in range(10):
         toks = rand_tokens(4 if i == 0 else 20, seed=i)
         torch.testing.assert_close(tail.append(toks), full.append(toks), atol=5e-5, rtol=1e-4)

@@ -75,6 +75,13 @@ def _foresight(p: Policy, v: SlotView) -> torch.Tensor:
     return v.cumulative + foresight_bonus(v.blueprint, v.logical, v.current_step)
 
 
+def _foresight_recent(p: Policy, v: SlotView) -> torch.Tensor:
+    # Planned spans first (the foresight bonus), then the most recent tokens: what stays besides the plan is one
+    # contiguous window of text, never scattered heavy hitters, so that re-encoding the resident tokens (refresh)
+    # reads text rather than a salad of isolated tokens. Recency is scaled into [0, 1), below any live bonus.
+    return foresight_bonus(v.blueprint, v.logical, v.current_step) + v.logical.float() / max(v.n_logical, 1)
+
+
 def _akv_rolling(p: Policy, v: SlotView) -> torch.Tensor:
     # Message-level: keep the last K tool responses, drop older ones; within budget, recency decides.
     score = v.logical.float()
@@ -92,6 +99,7 @@ SCORERS = {
     "tova": _tova,
     "snapkv": _snapkv,
     "foresight": _foresight,
+    "foresight-recent": _foresight_recent,
     "akv-rolling": _akv_rolling,
 }
 
@@ -102,6 +110,7 @@ POLICIES: dict[str, Policy] = {
     "tova": Policy("tova", "window", window=1),
     "snapkv": Policy("snapkv", "window", window=32),
     "foresight": Policy("foresight", "cumulative"),
+    "foresight-recent": Policy("foresight-recent", "none"),
     "akv-rolling": Policy("akv-rolling", "none", recent=0),
 }
 
@@ -112,13 +121,16 @@ ARMS: dict[str, tuple[str, bool]] = {
     "retention-only": ("foresight", False),
     "pace": ("foresight", True),
     "pace-tiered": ("foresight", True),
-    "pace-refresh": ("foresight", True),
-    "pace-refresh-tail": ("foresight", True),
+    # the refresh arms keep the plan plus one recent window (foresight-recent): what a refresh re-encodes is then
+    # text, not the scattered heavy hitters h2o keeps (docs/results/2026-12-05-pace-refresh-misses)
+    "pace-refresh": ("foresight-recent", True),
+    "pace-refresh-tail": ("foresight-recent", True),
+    "pace-refresh-h2o": ("foresight", True),  # the refresh over pace's own resident set (studies up to 2026-12-05)
 }
 # Arms whose evicted planned spans go to a storage tier and are rehydrated when their reader step opens.
 TIERED_ARMS = frozenset({"pace-tiered"})
 # Arms that re-encode their resident tokens afresh (`Session.refresh`) when a step that reads a planned span opens.
-REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail"})
+REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail", "pace-refresh-h2o"})
 # Of those, the arms whose refresh keeps the fresh prefix (rows no eviction before them touched), re-encodes the rest.
 TAIL_REFRESH_ARMS = frozenset({"pace-refresh-tail"})
 

@@ -36,10 +36,10 @@ import time
 import torch
 
 from kvsteward.eval import scoring
-from kvsteward.eval.longsession import RunConfig, play
+from kvsteward.eval.longsession.runner import RunConfig, play
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.engine.session import move_resident
-from kvsteward.synth.longsession import generate_sessions
+from kvsteward.synth.longsession.generate import generate_sessions
 
 INTERVENTIONS = ("as_played", "drop_other_defs", "drop_unplanned", "defs_before_probe", "original_positions",
                  "repositioned", "recomputed")
