@@ -132,6 +132,26 @@ def test_plain_drop_and_reposition_equal_the_engine(served):
     assert out["meta_info"]["cached_tokens"] == len(A + C + D) - 1
 
 
+def test_a_batch_of_concurrent_mixed_requests(served):
+    """Six requests at once on one cached pre-op state: none, plain drops, drops with a reposition, and a plain
+    history: every one equals the engine, and the tree re-prefilled none (a re-prefill is served as plain tokens, not
+    the engine's state; the server log names why: `kvsteward: re-prefill ...`). It runs before the tests that fill
+    the 1,200-slot pool: once in ~10 full-file runs after them, three of these requests were re-prefilled (issue 43's
+    notes; the reason is logged since)."""
+    server, engine, log = served
+    generate(server.url, request_fields([E, A, B, C]), n=1)  # the pre-op state the op requests continue
+    before = tree_stats(log.read_text(errors="replace")).get("reprefill", 0)
+    cases = [([E, A, B, C, D], None), ([E, A, B, C, D], {"drop": {"3": [1]}}),
+             ([E, A, B, C, D], {"drop": {"3": [2]}, "reposition": [3]}), ([E, A, B, C, D], {"drop": {"3": [1, 2]}}),
+             ([E, B, D], None), ([E, A, B, C, E], {"drop": {"3": [3]}, "reposition": [3]})]
+    results = generate_concurrently(server.url, cases, 12)
+    text = log.read_text(errors="replace")
+    reasons = [line for line in text.splitlines() if "kvsteward: re-prefill" in line]
+    assert tree_stats(text).get("reprefill", 0) == before, reasons[-3:]
+    for k, (messages, cache) in enumerate(cases):
+        assert results[k] == engine_tokens(engine, messages, cache, 12), k
+
+
 def agent(seed: int, keep: int = 2, reposition_every: int = 2) -> AgentSession:
     """An agent-like conversation (`serve.bench.sglang.AgentSession`): per turn a tool response and the prompt for
     the reply; after each reply the tool responses older than the last `keep` are dropped (AKV's rolling rule), and
@@ -251,17 +271,6 @@ def test_six_concurrent_sessions_fit_the_small_pool(served):
     for k, outs in played.items():
         for t, (messages, cache, out) in enumerate(outs):
             assert out["output_ids"] == engine_tokens(engine, messages, cache, 6), (k, t)
-
-
-def test_a_batch_of_concurrent_mixed_requests(served):
-    server, engine, _ = served
-    generate(server.url, request_fields([E, A, B, C]), n=1)  # the pre-op state the op requests continue
-    cases = [([E, A, B, C, D], None), ([E, A, B, C, D], {"drop": {"3": [1]}}),
-             ([E, A, B, C, D], {"drop": {"3": [2]}, "reposition": [3]}), ([E, A, B, C, D], {"drop": {"3": [1, 2]}}),
-             ([E, B, D], None), ([E, A, B, C, E], {"drop": {"3": [3]}, "reposition": [3]})]
-    results = generate_concurrently(server.url, cases, 12)
-    for k, (messages, cache) in enumerate(cases):
-        assert results[k] == engine_tokens(engine, messages, cache, 12), k
 
 
 def test_retraction_under_memory_pressure(served):

@@ -421,6 +421,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
     over rounds of each number (per-round values under "repeats"); `reprefills` etc. from the tree's stats line.
     `no_op_overhead`: mean turn latency of op-free sessions on the kvsteward server / on the default one (each
     round, after the timed pass, `no_op_sessions` synthetic sessions of 3 turns)."""
+    import json
     import os
     from pathlib import Path
 
@@ -471,6 +472,8 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
                                                 ops=False)
                     no_ops[arm].append(play_arm(url, op_free, max_new_tokens, arm, trigger, poll_s=poll_s)["mean_s"])
             rounds[arm].append(res)
+            if log_dir:  # what a long run has measured so far survives its interruption
+                (Path(log_dir) / "rounds.json").write_text(json.dumps({"rounds": rounds, "no_op_s": no_ops}))
             if progress:
                 progress(f"round {r + 1}: {arm}: {res['output_tok_s']:.1f} output tok/s, p95 {res['p95_s']:.2f} s, "
                          f"{res['retractions']} retractions, peak used {res['peak_kv_used']}, "

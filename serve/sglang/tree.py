@@ -81,6 +81,7 @@ class _Walk:
     namespace: str | None
     row: list[torch.Tensor] = field(default_factory=list)
     exact: bool = True
+    why: str = ""  # what made the walk inexact (logged with the re-prefill)
     fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
 
     @property
@@ -182,6 +183,7 @@ class OpRadixCache(RadixCache):
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
             self.stats["reprefill"] += 1
+            logger.warning("kvsteward: re-prefill (served as plain tokens, not the engine's state): %s", walk.why)
             if any((hist.namespace, params.key.cache_salt, chain) in self._tombstones for chain, _, _ in hist.op_chain):
                 # an op state of its history was compacted into a later op's (its dead KV freed), and that later
                 # state is still cached: this history cannot be served exactly
@@ -237,6 +239,7 @@ class OpRadixCache(RadixCache):
                 n_logical += matched
                 if matched < len(e[1]) and k < len(hist.elements) - 1:
                     walk.exact = False  # an op follows state that is not cached
+                    walk.why = f"message segment {k}: {matched} of {len(e[1])} tokens cached before an op"
                     return walk
             else:
                 child = walk.node.children.get(("kvsteward-op", *e))
@@ -244,6 +247,7 @@ class OpRadixCache(RadixCache):
                     child = self._materialize(walk, e, n_logical)
                     if child is None:
                         walk.exact = False
+                        walk.why = f"op {e[0]} at element {k} could not be materialized"
                         return walk
                 walk.node = walk.anchor = child
                 walk.row = [child.kv_row]
@@ -253,6 +257,7 @@ class OpRadixCache(RadixCache):
         # drops after it shrink the row)
         if walk.anchor_len > limit:
             walk.exact = False
+            walk.why = f"the op state's row ({walk.anchor_len}) is longer than the request ({limit})"
         return walk
 
     # -- ops ---------------------------------------------------------------------------------------------------------
