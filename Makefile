@@ -11,7 +11,7 @@ export KVSTEWARD_HOME ?= $(CURDIR)/.steward
 # importing torch / transformers / mlflow, and without the cache each one compiles them again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv sglang-venv model services demo test lint
+.PHONY: venv sglang-venv kvpress-venv model services demo test lint
 
 # --no-compile: pip byte-compiles every file it installs (26,000 files, ~2.5 minutes on 2 cores); Python compiles
 # only what a process imports, once, on first import instead (PYTHONDONTWRITEBYTECODE is unexported above).
@@ -46,6 +46,19 @@ $(SGL_STAMP): requirements-sglang-cpu.txt pyproject.toml $(wildcard sglang_cpu/p
 	touch $(SGL_STAMP)
 
 sglang-venv: $(SGL_STAMP)
+
+# kvpress (the peer of `steward bench peers`) in its own virtualenv: kvpress 0.5.5 pins transformers < 5.3 (the
+# project keeps 5.23). It runs kvpress's presses and RULER's task generator; nothing of this package is installed
+# there (eval/peers/kvpress_side.py is standalone). ~1 minute, every package pinned and installed --no-deps.
+KVP_VENV := .venv-kvpress
+KVP_STAMP := $(KVP_VENV)/.installed
+$(KVP_STAMP): requirements-kvpress.txt
+	test -x $(KVP_VENV)/bin/python || python3 -m venv $(KVP_VENV)
+	$(KVP_VENV)/bin/pip install -q --no-compile torch==2.13.0
+	$(KVP_VENV)/bin/pip install -q --no-compile --no-deps -r requirements-kvpress.txt
+	touch $(KVP_STAMP)
+
+kvpress-venv: $(KVP_STAMP)
 
 model: venv
 	$(VENV)/bin/steward models pull smollm2

@@ -240,6 +240,40 @@ def aux(model: str = typer.Option("smollm2", help=MODEL_HELP),
                            min_confidence=conf), as_json)
 
 
+@bench_app.command()
+def peers(model: str = typer.Option("smollm2", help="`smollm2` or a local HF folder (both stacks load it)"),
+          tasks: str = typer.Option("niah_single_1,niah_multikey_2", help="RULER tasks (haystacks need no download)"),
+          samples: int = typer.Option(4, help="prompts per task"),
+          length: int = typer.Option(2048, help="RULER max_seq_length: prompt + answer tokens"),
+          ratios: str = typer.Option("0.5,0.75", help="compression ratios (kept = int(n * (1 - ratio)))"),
+          presses: str = typer.Option("snapkv,tova,streaming,observed,knorm", help="kvpress presses"),
+          policies: str = typer.Option("snapkv,tova,streaming,h2o", help="engine policies"),
+          max_new_tokens: int = typer.Option(24), seed: int = typer.Option(42),
+          workdir: str = typer.Option("", help="keep the prompts and kvpress's raw output here"),
+          as_json: bool = typer.Option(False, "--json")) -> None:
+    """kvpress's presses (in `.venv-kvpress`, `make kvpress-venv`) and the engine's policies side by side on RULER
+    needle prompts: the same token ids, the same kept tokens, one run; accuracy (RULER's string_match_all) and wall per
+    prompt."""
+    from rich.table import Table
+
+    from kvsteward.eval.peers.bench import bench_peers, table_rows
+
+    def csv(x: str) -> tuple[str, ...]:
+        return tuple(v.strip() for v in x.split(",") if v.strip())
+
+    try:
+        result = bench_peers(model, csv(tasks), samples, length, tuple(float(r) for r in csv(ratios)), csv(presses),
+                             csv(policies), max_new_tokens, seed, workdir or None, progress=_progress)
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from e
+    table = Table("method", "ratio", "accuracy", "s / prompt", title=f"RULER ≤ {length} tokens, {model}")
+    for row in table_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"uncompressed answers equal across the two stacks: {result['full_agreement']:.2f}")
+    _emit(result, as_json)
+
+
 SGLANG_ARMS = "default,kvsteward_nofree,kvsteward,kvsteward_aux"  # serve.bench.sglang.ARMS (imported lazily)
 
 
