@@ -86,7 +86,7 @@ services:
 	  ( (apt-get update -qq && (apt-get install -y -qq valkey-server || apt-get install -y -qq redis-server)) \
 	    >/dev/null 2>&1 || echo "note: no valkey-server/redis-server installed: the Valkey tier test will skip" )
 
-test: model services sglang-venv
+test: model services sglang-venv kvpress-venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
