@@ -35,6 +35,21 @@ def sglang_python() -> str:
                             "KVSTEWARD_SGLANG_PYTHON to an interpreter with sglang and kvsteward installed)")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (Linux `PR_SET_PDEATHSIG`). A server
+    whose caller was killed (a test run stopped with SIGTERM skips its finalizers) otherwise lives on, and sglang's
+    idle scheduler spins a core; sglang's own processes already die with the launcher."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def spawn(cmd: list[str], env: dict, stdout) -> subprocess.Popen:
+    """Start `cmd` in its own process group (killed as a group) that dies with this process (on Linux)."""
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
 def on_cpu() -> bool:
     try:
         import torch
@@ -94,8 +109,7 @@ class SglangServer:
 
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 (kept for the run)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = spawn(self.cmd, env=self.env, stdout=out)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang server exited with {self.proc.returncode} before it was healthy"
