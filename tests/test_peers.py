@@ -34,11 +34,12 @@ def test_string_match_all_is_rulers_metric():
 
 
 @pytest.mark.slow
-def test_bench_peers_side_by_side_on_the_embedded_model(tmp_path):
+def test_bench_peers_side_by_side_on_the_embedded_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative --workdir: RULER's generator runs inside it
     res = CliRunner().invoke(app, ["bench", "peers", "--model", "smollm2", "--tasks", "niah_single_1", "--samples",
                                    "1", "--length", "512", "--ratios", "0.5", "--presses", "streaming,snapkv",
-                                   "--policies", "streaming,snapkv", "--max-new-tokens", "12", "--workdir",
-                                   str(tmp_path), "--json"])
+                                   "--policies", "streaming,snapkv", "--max-new-tokens", "12", "--workdir", "work",
+                                   "--json"])
     assert res.exit_code == 0, (res.stderr[-2000:], res.exception)
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["workload"]["versions"]["kvpress"] and r["workload"]["versions"]["transformers"].startswith("5.2")
@@ -52,4 +53,4 @@ def test_bench_peers_side_by_side_on_the_embedded_model(tmp_path):
         assert k["kept"] == e["kept"] == kept_tokens(int(n), 0.5), pair
     assert rows[("kvpress", "streaming", 0.5)]["answer"] == rows[("engine", "streaming", 0.5)]["answer"]
     assert {m for m, *_ in table_rows(r)} >= {"kvpress: snapkv", "engine: snapkv", "engine: full (uncompressed)"}
-    assert (tmp_path / "niah_single_1" / "validation.jsonl").exists()  # RULER's generator wrote the prompts
+    assert (tmp_path / "work" / "niah_single_1" / "validation.jsonl").exists()  # RULER's generator wrote the prompts

@@ -114,7 +114,7 @@ def bench_peers(model: str = "smollm2", tasks: tuple[str, ...] = tuple(ruler.TAS
             raise ValueError(f"compression ratio must be in (0, 1), got {r}")
     py = kvpress_python()
     folder = models.resolve(model)
-    work = Path(workdir or tempfile.mkdtemp(prefix="kvsteward-peers-"))
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvsteward-peers-")).resolve()  # the generator runs in it
     work.mkdir(parents=True, exist_ok=True)
     prompts = [t for task in tasks for t in ruler.generate(py, folder, task, samples, length, work, seed=seed)]
     outputs = {t["id"]: t["outputs"] for t in prompts}
