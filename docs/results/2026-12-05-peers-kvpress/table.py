@@ -4,15 +4,20 @@ import json
 from pathlib import Path
 
 r = json.loads((Path(__file__).parent / "peers.json").read_text())
+
+
+def cells(c: dict) -> str:
+    return " | ".join(f"{c[k]['accuracy']:.2f}, {c[k]['wall_s']:.1f}" for k in ("0.5", "0.75"))
+
+
 print("| method | kept 50 % (ratio 0.5): accuracy, s/prompt | kept 25 % (ratio 0.75): accuracy, s/prompt |")
 print("|---|---|---|")
 for pair in r["pairs"]:
     for side, name in (("kvpress", pair["kvpress"]), ("engine", pair["engine"])):
         c = r[side][name]
-        print(f"| {side}: {name} | " + " | ".join(f"{c[k]['accuracy']:.2f}, {c[k]['wall_s']:.1f}" for k in ("0.5", "0.75"))
-              + " |")
+        print(f"| {side}: {name} | {cells(c)} |")
 c = r["kvpress"]["knorm"]
-print("| kvpress: knorm | " + " | ".join(f"{c[k]['accuracy']:.2f}, {c[k]['wall_s']:.1f}" for k in ("0.5", "0.75")) + " |")
+print(f"| kvpress: knorm | {cells(c)} |")
 for side, name in (("kvpress", "none"), ("engine", "full")):
     c = r[side][name]["0"]
     print(f"| {side}: {name} (uncompressed) | {c['accuracy']:.2f}, {c['wall_s']:.1f} | |")
