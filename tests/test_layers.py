@@ -77,17 +77,19 @@ def test_the_check_catches_a_wrong_import(tmp_path):
 # ------------------------------------------------------------------------------------------- synth/ and eval/
 ROOT = SERVE.parent
 # (folder, package) → the kvsteward packages its modules must not import: the long-session side may read the trace
-# side (sessions re-expressed as traces, the planners), never the reverse; each eval side reads only its own synth side.
+# side (sessions re-expressed as traces, the planners), never the reverse; each eval side reads only its own synth side;
+# the peers side by side (kvpress beside the engine on RULER prompts) reads neither product.
 FORBIDDEN = {
     ("synth", "traces"): ["kvsteward.synth.longsession", "kvsteward.eval.longsession"],
     ("synth", "longsession"): ["kvsteward.eval.manager"],
     ("eval", "manager"): ["kvsteward.eval.longsession", "kvsteward.synth.longsession"],
     ("eval", "longsession"): ["kvsteward.eval.manager", "kvsteward.synth.traces"],
+    ("eval", "peers"): ["kvsteward.eval.manager", "kvsteward.eval.longsession", "kvsteward.synth"],
 }
 SHARED = {"synth": {"chat.py", "rng.py", "__init__.py"}, "eval": {"scoring.py", "tracking.py", "__init__.py"}}
 
 
-def test_synth_and_eval_hold_two_products_and_a_few_shared_modules():
+def test_synth_and_eval_hold_their_products_and_a_few_shared_modules():
     for folder, shared in SHARED.items():
         assert {p.name for p in (ROOT / folder).glob("*.py")} == shared
         subpackages = {p.name for p in (ROOT / folder).iterdir() if p.is_dir() and not p.name.startswith("__")}
