@@ -26,24 +26,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvsteward.eval.peers import ruler
+from kvsteward.paths import side_python
 
 PRESSES = ("snapkv", "tova", "streaming", "observed", "knorm")
 POLICIES = ("snapkv", "tova", "streaming", "h2o")
 PAIRS = {"snapkv": "snapkv", "tova": "tova", "streaming": "streaming", "h2o": "observed"}
-REPO = Path(__file__).resolve().parents[2]
 Progress = Callable[[str], None]
 
 
 def kvpress_python() -> str:
     """kvpress's interpreter: `KVSTEWARD_KVPRESS_PYTHON`, else the repository's `.venv-kvpress`."""
-    explicit = os.environ.get("KVSTEWARD_KVPRESS_PYTHON")
-    if explicit:
-        return explicit
-    candidate = REPO / ".venv-kvpress" / "bin" / "python"
-    if not candidate.exists():
-        raise FileNotFoundError(f"no kvpress virtualenv at {candidate}: run `make kvpress-venv` (or set "
-                                "KVSTEWARD_KVPRESS_PYTHON to an interpreter with kvpress 0.5.5 installed)")
-    return str(candidate)
+    return side_python("KVSTEWARD_KVPRESS_PYTHON", ".venv-kvpress", "kvpress-venv", "kvpress 0.5.5")
 
 
 def kept_tokens(n: int, ratio: float) -> int:

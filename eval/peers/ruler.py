@@ -9,6 +9,7 @@ a marker between the context and the question, so that the context (what a press
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -25,6 +26,7 @@ TASKS = {
 }
 
 
+@functools.cache  # one lookup per interpreter, not one per task
 def generator_script(python: str) -> str:
     out = subprocess.run([python, "-c", "import long_context_eval, os; print(os.path.dirname("
                           "long_context_eval.__file__))"], capture_output=True, text=True)

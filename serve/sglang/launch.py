@@ -16,23 +16,17 @@ import sys
 import time
 from pathlib import Path
 
+from kvsteward.paths import side_python
+
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-overlap-schedule", "--disable-cuda-graph", "--grammar-backend", "none")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "GLOO_SOCKET_IFNAME": "lo"}
-REPO = Path(__file__).resolve().parents[2]
 
 
 def sglang_python() -> str:
     """The interpreter of SGLang's virtualenv: `KVSTEWARD_SGLANG_PYTHON`, else the repository's `.venv-sglang`."""
-    explicit = os.environ.get("KVSTEWARD_SGLANG_PYTHON")
-    if explicit:
-        return explicit
-    candidate = REPO / ".venv-sglang" / "bin" / "python"
-    if candidate.exists():
-        return str(candidate)
-    raise FileNotFoundError(f"no SGLang virtualenv at {candidate}: run `make sglang-venv` (or set "
-                            "KVSTEWARD_SGLANG_PYTHON to an interpreter with sglang and kvsteward installed)")
+    return side_python("KVSTEWARD_SGLANG_PYTHON", ".venv-sglang", "sglang-venv", "sglang and kvsteward")
 
 
 def _die_with_parent() -> None:
