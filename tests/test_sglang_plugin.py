@@ -771,3 +771,105 @@ def test_hook_is_inert_without_offsets_and_refuses_unsupported_batches(sglang_ru
         model_is_mrope=True, requires_mm_token_modalities=False)})
     with pytest.raises(RuntimeError, match="M-RoPE"):
         offset_positions(original, rt.ForwardBatch, batch, mrope, return_hidden_states_before_norm=False)
+
+
+# ------------------------------------------------------------------ a lost pre-op state: refused, then rebuilt
+def test_a_miss_is_refused_before_any_work_when_the_request_asks():
+    """`miss: "refuse"`: an op after a state the tree holds only in part marks the request with the pre-op state's
+    logical length (what the client re-sends) and matches nothing; nothing is re-prefilled or cached. Without the
+    field, or for a retracted request (it has output), the old path serves it as plain tokens (counted)."""
+    from kvsteward.serve.sglang.refusal import REFUSAL_ATTR
+
+    s = Server()
+    s.run(Req(*fields([A, B])[:2]))  # A and part of B cached: B's tail is never computed (the last token)
+    ids, custom, _ = fields([A, B, C, D], {"drop": {"2": [1]}})
+    custom = {"kvsteward": json.dumps({**json.loads(custom["kvsteward"]), "miss": "refuse"})}
+    req = Req(ids, custom)
+    m = s.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), None, limit=len(ids) - 1), req=req))
+    tokens, why = getattr(req, REFUSAL_ATTR)
+    assert tokens == len(A + B + C) and "tokens cached before an op" in why
+    assert len(m.device_indices) == 0 and m.last_device_node is s.cache.root_node
+    assert s.cache.stats["refused_miss"] == 1 and s.cache.stats["reprefill"] == 0
+    # a re-match clears the mark (the state may be cached by then)
+    s.run(Req(*fields([A, B, C])[:2]))
+    m = s.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), None, limit=len(ids) - 1), req=req))
+    assert getattr(req, REFUSAL_ATTR) is None and len(m.device_indices) == len(A + C)
+    # a retracted request (it has output) is not refused
+    s2 = Server()
+    retracted = Req(ids, custom)
+    retracted.output_ids = array("q", [5])
+    s2.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), None, limit=len(ids) - 1), req=retracted))
+    assert getattr(retracted, REFUSAL_ATTR) is None and s2.cache.stats["reprefill"] == 1
+    with pytest.raises(OpsError, match="miss"):
+        parse_request({"kvsteward": json.dumps({**json.loads(custom["kvsteward"]), "miss": "maybe"})}, None)
+
+
+def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
+    """The two scheduler hooks: a marked request reserves nothing (`CONTINUE` without the adder seeing it) and is
+    aborted through sglang's `abort_request` after the batch is built, with a 409 `kvsteward_miss` finish reason
+    naming the pre-op state; unmarked requests pass through untouched."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS
+    from kvsteward.serve.sglang.refusal import REFUSAL_ATTR, abort_refused, skip_refused
+
+    seen = []
+    marked, plain = Req([1, 2], rid="m"), Req([3, 4], rid="p")
+    setattr(marked, REFUSAL_ATTR, (42, "message segment 2: 3 of 9 tokens cached before an op"))
+    assert skip_refused(lambda adder, req, *a, **k: seen.append(req) or AddReqResult.NO_TOKEN, None, marked,
+                        False, None) is AddReqResult.CONTINUE
+    assert skip_refused(lambda adder, req, *a, **k: seen.append(req) or AddReqResult.NO_TOKEN, None, plain,
+                        False, None) is AddReqResult.NO_TOKEN
+    assert seen == [plain]
+    aborted = []
+    scheduler = SimpleNamespace(waiting_queue=[plain, marked], abort_request=aborted.append)
+    assert abort_refused(lambda sch, running: "plan", scheduler, None) == "plan"
+    (abort,) = aborted
+    assert abort.rid == "m" and abort.finished_reason["status_code"] == 409
+    assert abort.finished_reason["err_type"] == MISS_ERR_TYPE and abort.finished_reason[MISS_TOKENS] == 42
+    assert "first 42 tokens" in abort.finished_reason["message"]
+    assert getattr(marked, REFUSAL_ATTR) is None  # aborted once
+
+
+def test_the_client_rebuilds_each_lost_state_then_resends():
+    """`generate_exact` against a server that holds a set of sealed states: each refusal names the missing pre-op
+    state, whose request (the messages through it, the ops before it, full form) goes first; the original goes last.
+    Two lost states: two refusals, resolved innermost first. A state named off a message boundary is an error; past
+    `max_refusals` the request goes with `miss: "reprefill"`."""
+    from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS, SglangHistory, generate_exact, parse_spec
+
+    messages = [A, B, C, D, E, A]
+    cache = {"drop": {"2": [1], "4": [3]}}
+    held: set[int] = set()  # logical lengths of the pre-op states the fake server holds
+    sent = []
+
+    def send(body, n):
+        spec = json.loads(body["sampling_params"]["custom_params"]["kvsteward"])
+        hist = parse_spec(spec, None)
+        sent.append((sum(len(m) for m in spec["messages"]), n))
+        for need in (len(A + B + C), len(A + B + C + D + E)):  # pre-op states of the ops at 2 and 4
+            if need < sum(len(m) for m in spec["messages"]) and need not in held:
+                if spec.get("miss") == "refuse":
+                    return {"output_ids": [], "meta_info": {"finish_reason": {
+                        "type": "abort", "err_type": MISS_ERR_TYPE, MISS_TOKENS: need}}}
+                return {"output_ids": [9], "meta_info": {"finish_reason": {"type": "length"}}}
+        held.add(sum(len(m) for m in spec["messages"]))
+        return {"output_ids": list(hist.physical_ids[:n]), "meta_info": {"finish_reason": {"type": "length"}}}
+
+    history = SglangHistory(miss="refuse")
+    body = history.fields(messages, cache)
+    out, refusals = generate_exact(send, history, body, messages, cache, 4)
+    total = sum(len(m) for m in messages)
+    assert refusals == 2 and out["output_ids"] == list(parse_spec(json.loads(
+        body["sampling_params"]["custom_params"]["kvsteward"]), None).physical_ids[:4])
+    assert sent == [(total, 4), (len(A + B + C), 1), (total, 4), (len(A + B + C + D + E), 1), (total, 4)]
+    seal = history.pre_op_fields(messages, cache, len(A + B + C + D + E))
+    spec = json.loads(seal["sampling_params"]["custom_params"]["kvsteward"])
+    assert len(spec["messages"]) == 5 and spec["cache"] == {"drop": {"2": [1]}, "reposition": []}
+    assert spec["miss"] == "refuse"
+    with pytest.raises(OpsError, match="no message boundary"):
+        history.pre_op_fields(messages, cache, len(A) + 1)
+    held.clear()
+    sent.clear()
+    out, refusals = generate_exact(send, history, body, messages, cache, 4, max_refusals=0)
+    assert refusals == 1 and out["output_ids"] == [9] and len(sent) == 2

@@ -21,7 +21,7 @@ import torch
 from kvsteward.serve.bench.sglang import AgentSession, LoadPoller, retractions, tree_stats
 from kvsteward.serve.server.testing import free_port
 from kvsteward.serve.sglang.launch import SglangServer, server_command
-from kvsteward.serve.sglang.ops import SglangHistory, request_fields
+from kvsteward.serve.sglang.ops import SglangHistory, generate_exact, request_fields
 
 pytestmark = pytest.mark.slow
 
@@ -271,6 +271,40 @@ def test_six_concurrent_sessions_fit_the_small_pool(served):
     for k, outs in played.items():
         for t, (messages, cache, out) in enumerate(outs):
             assert out["output_ids"] == engine_tokens(engine, messages, cache, 6), (k, t)
+
+
+def test_a_lost_pre_op_state_is_refused_and_rebuilt_exactly(served):
+    """`miss: "refuse"`: a plain request that needs nearly the whole pool evicts a session's cached states; the
+    session's next request (two drops in its history) is refused before any work, with a 409 `kvsteward_miss` naming
+    the state to rebuild, and `generate_exact` rebuilds both pre-op states (the one before each drop) from the
+    messages it holds, then serves the request: its tokens equal the engine's, and the tree re-prefilled nothing.
+    Without the field the same request is re-prefilled as plain tokens (counted), as before."""
+    server, engine, log = served
+    messages = [msg(601, 40), msg(602, 60), msg(603, 30), msg(604, 50), msg(605, 30), msg(606, 8)]
+    cache = {"drop": {"2": [1], "4": [3]}}
+    history = SglangHistory(miss="refuse")
+
+    def send(body, n):
+        return generate(server.url, body, n=n)
+
+    expected = engine_tokens(engine, messages, cache, 6)
+    out, _ = generate_exact(send, history, history.fields(messages, cache), messages, cache, 6)
+    assert out["output_ids"] == expected
+    before = tree_stats(log.read_text(errors="replace"))
+    generate(server.url, {"input_ids": msg(607, POOL - 60)}, n=1)  # evicts all but <= 59 cached slots
+    refused = generate(server.url, request_fields(messages, cache, miss="refuse"), n=6)
+    reason = refused["meta_info"]["finish_reason"]
+    assert reason["err_type"] == "kvsteward_miss" and reason["status_code"] == 409, reason
+    assert reason["kvsteward_pre_op_tokens"] == sum(map(len, messages[:3])) and refused["output_ids"] == []
+    out, refusals = generate_exact(send, history, history.fields(messages, cache, full=True), messages, cache, 6)
+    assert out["output_ids"] == expected and refusals == 2, (refusals, out["meta_info"])
+    after = tree_stats(log.read_text(errors="replace"))
+    assert after["reprefill"] == before.get("reprefill", 0)
+    assert after["refused_miss"] == before.get("refused_miss", 0) + 3
+    # the old path, for comparison: evicted again, sent without the field, served as plain tokens and counted
+    generate(server.url, {"input_ids": msg(608, POOL - 60)}, n=1)
+    generate(server.url, request_fields(messages, cache), n=6)
+    assert tree_stats(log.read_text(errors="replace"))["reprefill"] == after["reprefill"] + 1
 
 
 def test_retraction_under_memory_pressure(served):

@@ -51,7 +51,9 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -62,6 +64,12 @@ FIELD = "kvsteward"
 EXTRA_KEY_PREFIX = "kvsteward:"
 VERSION = 1
 ROOT_KEY = "kvsteward-v1"
+# what the tree does when an op follows a state it no longer holds whole (evicted under memory pressure):
+# "reprefill" serves the physical ids as plain tokens (counted, not the engine's state); "refuse" aborts the request
+# before any work with `MISS_ERR_TYPE` and the logical length of the pre-op state to re-send (`generate_exact`)
+MISS_MODES = ("reprefill", "refuse")
+MISS_ERR_TYPE = "kvsteward_miss"
+MISS_TOKENS = "kvsteward_pre_op_tokens"
 
 Element = tuple
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -214,6 +222,7 @@ class SglangRequest:
     key: str = ROOT_KEY  # the chained key of the whole history (`chain_key`)
     last_message_len: int = 0  # tokens of the last message (an aux fork's trigger: computed with the adapter)
     op_chain: tuple[tuple[str, int, int], ...] = ()  # `HistoryState.op_chain`
+    refuse_miss: bool = False  # `miss: "refuse"`: a pre-op state the tree lacks is refused, not re-prefilled
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -233,13 +242,14 @@ class SglangRequest:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
-    def of(cls, state: HistoryState, namespace: str | None) -> SglangRequest:
+    def of(cls, state: HistoryState, namespace: str | None, refuse_miss: bool = False) -> SglangRequest:
         if not state.elements or state.elements[-1][0] != "tokens":
             raise OpsError("the history must end with appended tokens after its last op (the generation prompt)",
                            "messages")
         return cls(elements=state.elements, physical_ids=_array(state.tokens), namespace=namespace,
                    position_tensor=state.positions, next_position=state.next_position, key=state.key,
-                   last_message_len=int(state.starts[-1] - state.starts[-2]), op_chain=state.op_chain)
+                   last_message_len=int(state.starts[-1] - state.starts[-2]), op_chain=state.op_chain,
+                   refuse_miss=refuse_miss)
 
 
 class HistoryStore:
@@ -310,10 +320,12 @@ def _token_array(x: Any, where: str) -> array:
 def _check_spec(spec: Any) -> dict:
     if not isinstance(spec, dict):
         raise OpsError(f"{FIELD} must be an object {{'messages': [[ids], ...], 'cache': {{...}}}}", FIELD)
-    unknown = set(spec) - {"v", "messages", "cache", "base", "n"}
+    unknown = set(spec) - {"v", "messages", "cache", "base", "n", "miss"}
     if unknown:
         raise OpsError(f"{FIELD} has unknown field(s) {sorted(unknown)}: only 'v', 'messages', 'cache', 'base', "
-                       "'n'", FIELD)
+                       "'n', 'miss'", FIELD)
+    if spec.get("miss", MISS_MODES[0]) not in MISS_MODES:
+        raise OpsError(f"{FIELD}.miss = {spec.get('miss')!r}: one of {list(MISS_MODES)}", f"{FIELD}.miss")
     if spec.get("v", VERSION) != VERSION:
         raise OpsError(f"{FIELD}.v = {spec.get('v')!r}: this plugin reads version {VERSION}", f"{FIELD}.v")
     raw = spec.get("messages")
@@ -340,7 +352,7 @@ def parse_spec(spec: Any, namespace: str | None, store: HistoryStore | None = No
         if "base" in spec:
             raise OpsError(f"{FIELD}.base needs the server's history store", f"{FIELD}.base")
         store = HistoryStore(max_entries=1)
-    return SglangRequest.of(store.resolve(spec), namespace)
+    return SglangRequest.of(store.resolve(spec), namespace, refuse_miss=spec.get("miss") == "refuse")
 
 
 def split_extra_key(extra_key: str | None, lora_id: str | None) -> str | None:
@@ -370,21 +382,27 @@ def _spec_text(spec: dict) -> str:
 
 
 def request_fields(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
-                   base: HistoryState | None = None) -> dict:
+                   base: HistoryState | None = None, miss: str | None = None) -> dict:
     """The `/generate` fields for a conversation (message token ids) and its cache ops: `input_ids` (physical) plus
     the history as a JSON string in `sampling_params.custom_params` (via="custom_params") or in `extra_key`
     (via="extra_key"). With `base` (the state of messages[:base.n], as the server remembers it), only the new
-    messages and the ops at boundaries >= base.n - 1 are sent (the compact form)."""
-    return build_request(messages, cache, via, base)[0]
+    messages and the ops at boundaries >= base.n - 1 are sent (the compact form). `miss` (one of `MISS_MODES`;
+    None = the server's default, "reprefill") says what the server does when an op's pre-op state is not cached."""
+    return build_request(messages, cache, via, base, miss)[0]
 
 
 def build_request(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
-                  base: HistoryState | None = None) -> tuple[dict, HistoryState, HistoryState | None]:
+                  base: HistoryState | None = None,
+                  miss: str | None = None) -> tuple[dict, HistoryState, HistoryState | None]:
     """`request_fields`, the state the server will remember for the request (its `key` names it) and the one
     before its last message (remembered too, when the request sends more than one message)."""
     if via not in ("custom_params", "extra_key"):
         raise ValueError(f"via must be 'custom_params' or 'extra_key', got {via!r}")
+    if miss is not None and miss not in MISS_MODES:
+        raise ValueError(f"miss must be one of {MISS_MODES}, got {miss!r}")
     state, penultimate, spec = _resolve_local(messages, cache, base)
+    if miss is not None:
+        spec["miss"] = miss
     text = _spec_text(spec)
     ids = list(_array(state.tokens))
     if via == "custom_params":
@@ -428,8 +446,8 @@ class SglangHistory:
     only the rest is sent. Otherwise the full form. `fork_fields` builds a request off the same base (the aux
     manager's fork) without changing what the next main request continues. `reset()` after a server restart."""
 
-    def __init__(self, via: str = "custom_params"):
-        self.via = via
+    def __init__(self, via: str = "custom_params", miss: str | None = None):
+        self.via, self.miss = via, miss
         self._known: list[HistoryState] = []  # what the server remembers from the last main request
 
     def fields(self, messages: list[list[int]], cache: dict | None = None, full: bool = False) -> dict:
@@ -446,7 +464,22 @@ class SglangHistory:
 
     def _build(self, messages, cache, full):
         base = None if full else self._base(messages, cache or {})
-        return build_request(messages, cache, via=self.via, base=base)
+        return build_request(messages, cache, via=self.via, base=base, miss=self.miss)
+
+    def pre_op_fields(self, messages: list[list[int]], cache: dict | None, tokens: int) -> dict:
+        """The full-form request for the state a refused request named (`refused_pre_op`): the messages whose
+        tokens add up to `tokens` and the ops at the boundaries before the last of them, i.e. the state the ops
+        after that message apply to. Sent with 1 new token it makes the tree hold that state whole (its missing
+        tokens computed at their positions, the ones later ops drop included)."""
+        ends = list(accumulate(len(m) for m in messages))
+        if tokens not in ends:
+            raise OpsError(f"the server named a pre-op state of {tokens} tokens, which ends at no message boundary "
+                           f"of this history ({ends[-8:]} ...)", f"{FIELD}.miss")
+        last = ends.index(tokens)
+        cache = cache or {}
+        before = {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) < last},
+                  "reposition": [i for i in (cache.get("reposition") or []) if int(i) < last]}
+        return build_request(messages[: last + 1], before, via=self.via, miss=self.miss)[0]
 
     def _base(self, messages: list[list[int]], cache: dict) -> HistoryState | None:
         known = [s for s in self._known if 0 < s.n < len(messages)]
@@ -461,3 +494,36 @@ class SglangHistory:
             if keys.get(s.n) == s.key:
                 return s
         return None
+
+
+def refused_pre_op(out: dict) -> int | None:
+    """The logical length of the pre-op state a `/generate` response says it was refused for (`miss: "refuse"`), or
+    None when the request was served."""
+    reason = (out.get("meta_info") or {}).get("finish_reason") or {}
+    if isinstance(reason, dict) and reason.get("err_type") == MISS_ERR_TYPE:
+        return int(reason[MISS_TOKENS])
+    return None
+
+
+def generate_exact(send: Callable[[dict, int], dict], history: SglangHistory, body: dict,
+                   messages: list[list[int]], cache: dict | None, max_new_tokens: int,
+                   max_refusals: int = 8) -> tuple[dict, int]:
+    """Serve `body` (built by `history`, with `miss: "refuse"`) exactly when the tree has lost a pre-op state: each
+    refusal names the state to rebuild; its 1-token request goes first (it may be refused in turn for an earlier
+    state: a stack), then the request is sent again. After `max_refusals` (memory so tight that rebuilt states are
+    evicted again before use) the request goes with `miss: "reprefill"` (served as plain tokens, counted by the
+    server). `send(body, n)` posts and returns the response. Returns (response, refusals)."""
+    stack, refusals = [(body, max_new_tokens)], 0
+    while True:
+        out = send(*stack[-1])
+        tokens = refused_pre_op(out)
+        if tokens is None:
+            stack.pop()
+            if not stack:
+                return out, refusals
+            continue
+        refusals += 1
+        if refusals > max_refusals:
+            fallback = build_request(messages, cache, via=history.via, miss="reprefill")[0]
+            return send(fallback, max_new_tokens), refusals
+        stack.append((history.pre_op_fields(messages, cache, tokens), 1))

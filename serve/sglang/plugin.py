@@ -5,7 +5,9 @@ builds the tree cache, and then applies the registered hooks (`HookRegistry.appl
 - the `kvsteward` radix-cache backend: `--radix-cache-backend kvsteward` selects `OpRadixCache`;
 - an AROUND hook on `ForwardBatch.init_new` adding each request's position offset (a drop without reposition,
   `kvsteward.serve.sglang.positions`). It changes nothing for requests without an offset, and only the kvsteward
-  tree sets offsets, so with another `--radix-cache-backend` it is inert.
+  tree sets offsets, so with another `--radix-cache-backend` it is inert;
+- two AROUND hooks that refuse, before any work, a request whose pre-op state the tree lost and that asked for it
+  (`miss: "refuse"`, `kvsteward.serve.sglang.refusal`); inert for requests the tree did not mark.
 Set `SGLANG_PLUGINS=kvsteward` to load only this plugin.
 
 **Version.** The tree subclasses sglang's `RadixCache` and follows its private lifecycle (`insert_req`,
@@ -79,8 +81,10 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from kvsteward.serve.sglang.positions import register_hook
+    from kvsteward.serve.sglang.refusal import register_hooks
     from kvsteward.serve.sglang.tree import create_tree_cache
 
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, create_tree_cache)
     register_hook()
+    register_hooks()

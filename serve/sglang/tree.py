@@ -47,6 +47,7 @@ from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import HistoryStore, SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
 from kvsteward.serve.sglang.positions import OFFSET_ATTR
+from kvsteward.serve.sglang.refusal import REFUSAL_ATTR
 
 logger = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -82,6 +83,7 @@ class _Walk:
     row: list[torch.Tensor] = field(default_factory=list)
     exact: bool = True
     why: str = ""  # what made the walk inexact (logged with the re-prefill)
+    pre_op_tokens: int = 0  # inexact because an op's pre-op state is not cached whole: that state's logical length
     fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
 
     @property
@@ -111,7 +113,8 @@ class OpRadixCache(RadixCache):
             raise ValueError(f"free must be one of {FREE_MODES}, got {free!r}")
         self.free = free  # when dead KV (dropped tokens, superseded versions) is freed: see `free_dead`
         self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
-                      "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0}
+                      "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0,
+                      "refused_miss": 0}
         self._op_set: set[OpNode] = set()  # every op node in the tree
         # compacted op nodes (re-parented under a chain key): reachable only through this index, so it has no cap
         self._compacted: dict[tuple, OpNode] = {}
@@ -150,6 +153,7 @@ class OpRadixCache(RadixCache):
         if params.req is not None:  # a re-match (e.g. after retraction) replaces the request's earlier walk
             self._walks.pop(id(params.req), None)
             setattr(params.req, OFFSET_ATTR, 0)
+            setattr(params.req, REFUSAL_ATTR, None)
         self._sweep_pins()
         hist = self._history(params)
         if self.disable or hist is None:
@@ -179,6 +183,17 @@ class OpRadixCache(RadixCache):
                            "LoRA request (the prefix computed with the adapter, not shared)")
             return super().match_prefix(params)
         self.stats["forks"] += walk.fork
+        if not walk.exact and hist.refuse_miss and walk.pre_op_tokens and params.req is not None \
+                and not getattr(params.req, "output_ids", None):
+            # refused before any work (`kvsteward.serve.sglang.refusal` aborts it from the waiting queue): the client
+            # re-sends the pre-op state, then this request (`ops.generate_exact`), which is then served exactly
+            self.stats["refused_miss"] += 1
+            setattr(params.req, REFUSAL_ATTR, (walk.pre_op_tokens, walk.why))
+            logger.info("kvsteward: refused (miss=refuse): %s; the client re-sends the first %d tokens' state",
+                        walk.why, walk.pre_op_tokens)
+            self._log_stats()
+            return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=self.root_node,
+                               last_host_node=self.root_node, best_match_node=self.root_node)
         if not walk.exact:
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
@@ -236,11 +251,12 @@ class OpRadixCache(RadixCache):
                 values, walk.node = self._match_prefix_helper(walk.node, seg_key) if len(seg_key) else ([], walk.node)
                 matched = sum(v.numel() for v in values)
                 walk.row.extend(v.to(torch.int64) for v in values)
-                n_logical += matched
                 if matched < len(e[1]) and k < len(hist.elements) - 1:
                     walk.exact = False  # an op follows state that is not cached
                     walk.why = f"message segment {k}: {matched} of {len(e[1])} tokens cached before an op"
+                    walk.pre_op_tokens = n_logical + len(e[1])
                     return walk
+                n_logical += matched
             else:
                 child = walk.node.children.get(("kvsteward-op", *e))
                 if child is None:
