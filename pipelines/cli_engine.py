@@ -299,6 +299,8 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
                  aux_tokens: int = typer.Option(8, help="tokens the kvsteward_aux arm's fork decodes before a drop"),
                  no_op: bool = typer.Option(True, "--no-op/--no-no-op", help="also time op-free sessions on both "
                                             "servers (no_op_overhead)"),
+                 miss: str = typer.Option("refuse", help="a kvsteward request whose pre-op state was evicted: refuse "
+                                          "(the client rebuilds it exactly) or reprefill (plain tokens, counted)"),
                  as_json: bool = typer.Option(False, "--json")) -> None:
     """SGLang + kvsteward vs SGLang's default radix cache on the same agent conversations, same run (one server at a
     time, started from .venv-sglang; every arm replays the same teacher-forced text): requests/s, output tokens/s,
@@ -311,6 +313,8 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
     chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
     if not chosen or set(chosen) - set(bench.ARMS):
         raise typer.BadParameter(f"--arms {arms!r}: choose among {', '.join(bench.ARMS)}")
+    if miss not in ("refuse", "reprefill"):
+        raise typer.BadParameter(f"--miss {miss!r}: refuse or reprefill")
     if workload not in bench.WORKLOADS:
         raise typer.BadParameter(f"--workload {workload!r}: one of {', '.join(bench.WORKLOADS)}")
     folder = models.resolve(model)
@@ -319,7 +323,8 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
                                 keep=keep, reposition_every=reposition_every, tool_words=tool_words,
                                 max_total_tokens=max_total_tokens, dtype=dtype, threads=threads,
                                 progress=_progress, log_dir=log_dir or None, workload=workload, repeats=repeats,
-                                arms=chosen, sessions=sessions or None, aux_tokens=aux_tokens, no_op=no_op)
+                                arms=chosen, sessions=sessions or None, aux_tokens=aux_tokens, no_op=no_op,
+                                miss=miss)
     if match_scaling:
         result["match_prefix"] = bench.match_prefix_scaling(progress=_progress)
     result["workload"]["model"] = model

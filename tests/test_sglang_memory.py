@@ -22,7 +22,8 @@ from kvsteward.serve.sglang.compat import prepare_sglang
 
 prepare_sglang()
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
 from kvsteward.kernels.rope import apply_rope, rerotate, rope_spec  # noqa: E402
 from kvsteward.serve.bench.sglang_memory import memory_in_use  # noqa: E402
@@ -249,6 +250,59 @@ def test_a_retracted_request_keeps_its_anchor_and_resumes_exactly():
     assert_truth(s, r)
     s.finish(r)
     assert not s.cache._pins
+    assert_all_returned(s)
+
+
+def sealed(messages, cache=None, **kw) -> SimReq:
+    """A seal that asks the tree to hold the state it leaves (`hold: true`)."""
+    body = request_fields(messages, cache, hold=True)
+    return SimReq(body["input_ids"], body["sampling_params"]["custom_params"], **kw)
+
+
+def test_a_held_seal_survives_eviction_until_its_op_request_is_released():
+    """A seal with `hold: true` locks the state it leaves: evicting everything keeps it, so the op request that
+    continues it (a drop and a reposition) is served exactly, and takes the lock over; once that request is released
+    the state is evictable again and every slot returns once. A request continuing it without an op takes nothing."""
+    s = server()
+    s.run(sealed([A, B, C]), [50])
+    assert s.cache.stats["held"] == 1 and s.cache.protected_size() == len(A + B + C)
+    s.evict_all()
+    s.check()
+    plain = req([A, B, C, E])  # no op after the held state: it does not take the hold
+    s.run(plain, [51])
+    assert s.cache.stats["hold_taken"] == 0 and s.cache.protected_size() == len(A + B + C)
+    r = req([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]})
+    out = s.start(r)
+    assert out.prefix_len == len(A + C) and s.cache.stats["reprefill"] == 0 and s.cache.stats["hold_taken"] == 1
+    assert_truth(s, r)
+    s.evict_all()  # the taken hold and the running request keep the pre-op state
+    s.check()
+    s.decode(r, [52])
+    s.finish(r)
+    assert not s.cache._holds and not s.cache._taken
+    assert_all_returned(s)
+
+
+def test_holds_stay_within_their_budget_and_die_with_their_request():
+    """Held tokens stay within `hold_budget` (the oldest hold released first), so holds never fill the pool; a hold
+    taken by a request that is aborted while waiting is released by the next match."""
+    import gc
+
+    s = server()
+    s.cache.hold_budget = len(A + B + C) + 1
+    s.run(sealed([A, B, C]), [50])
+    s.run(sealed([D, A, E]), [50])  # over the budget: the first hold expires
+    assert s.cache.stats["hold_expired"] == 1 and list(s.cache._holds.values()) == [len(D + A + E)]
+    s.evict_all()
+    s.check()
+    r = req([D, A, E, B], {"drop": {"2": [1]}})
+    s.cache.match_prefix(MatchPrefixParams(key=RadixKey(r.origin_input_ids, None, limit=len(r.origin_input_ids) - 1),
+                                           req=r))  # matched while waiting, then aborted: never admitted
+    assert s.cache.stats["hold_taken"] == 1 and s.cache._taken
+    del r
+    gc.collect()
+    s.run(req([A]))  # any match sweeps holds of requests that no longer exist
+    assert not s.cache._taken and not s.cache._holds
     assert_all_returned(s)
 
 

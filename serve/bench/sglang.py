@@ -318,20 +318,23 @@ def footprint(sessions: list[ReplaySession]) -> dict:
 
 
 def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: str, aux_trigger: list[int],
-             aux_tokens: int = 8, metrics: bool = True, poll_s: float = 0.25) -> dict:
+             aux_tokens: int = 8, metrics: bool = True, poll_s: float = 0.25, miss: str = "refuse") -> dict:
     """Every session's turns, sessions concurrently (one thread each), with `/v1/loads` and `/metrics` polled.
     kvsteward arms send the op history (compact form) and seal the state before each drop; `kvsteward_aux` also
     sends an aux fork (the history + the trigger, `aux_tokens` generated) before each drop (SideQuest's pattern; no
     adapter here: the fork is an ordinary request on the pre-op state, its decision not applied); `default` sends the
-    same physical `input_ids` without ops. Latency of a turn includes its seal and fork."""
+    same physical `input_ids` without ops. Latency of a turn includes its seal and fork. `miss`: what a kvsteward
+    request whose pre-op state was evicted gets, "refuse" (the client rebuilds the state exactly:
+    `ops.generate_exact`; counted in `refusals`) or "reprefill" (served as plain tokens, counted by the tree)."""
     import requests
 
     from kvsteward.serve.sglang import aux
-    from kvsteward.serve.sglang.ops import SglangHistory, request_fields
+    from kvsteward.serve.sglang.ops import SglangHistory, generate_exact, request_fields
 
     kv = arm != "default"
     lock = threading.Lock()
-    acc = {"latencies": [], "output_tokens": 0, "prompt_tokens": 0, "computed": 0, "seals": 0, "forks": 0}
+    acc = {"latencies": [], "output_tokens": 0, "prompt_tokens": 0, "computed": 0, "seals": 0, "forks": 0,
+           "refusals": 0}
     errors: list[BaseException] = []
 
     def post(body: dict, n: int) -> dict:
@@ -345,13 +348,20 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
             acc["computed"] += int(meta.get("prompt_tokens", 0)) - int(meta.get("cached_tokens", 0))
         return out
 
+    def exact(history: SglangHistory, messages: list[list[int]], cache: dict | None, n: int,
+              hold: bool = False) -> dict:
+        out, refusals = generate_exact(post, history, history.fields(messages, cache, hold=hold), messages, cache, n)
+        with lock:
+            acc["refusals"] += refusals
+        return out
+
     def play(s: ReplaySession) -> None:
-        history = SglangHistory()
+        history = SglangHistory(miss=miss)
         try:
             while not s.done():
                 t0 = time.perf_counter()
                 if kv and s.drops_next():  # the state the drop follows must be cached whole
-                    post(history.fields(*s.seal()), 1)
+                    exact(history, *s.seal(), 1, hold=True)  # held until the op request continues it
                     with lock:
                         acc["seals"] += 1
                     if arm == "kvsteward_aux":
@@ -360,9 +370,11 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
                         with lock:
                             acc["forks"] += 1
                 messages, cache = s.request()
-                body = history.fields(messages, cache if s.ops else None) if kv else \
-                    {"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]}
-                out = post(body, max_new_tokens)
+                if kv:
+                    out = exact(history, messages, cache if s.ops else None, max_new_tokens)
+                else:
+                    out = post({"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]},
+                               max_new_tokens)
                 dt = time.perf_counter() - t0
                 s.reply(out["output_ids"])
                 with lock:
@@ -400,7 +412,7 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
             "waiting_peak": loads.peak_waiting,
             "queue_time_mean_s": delta("sglang:queue_time_seconds_sum") / queued if queued else 0.0,
             "prompt_tokens": acc["prompt_tokens"], "prompt_tokens_computed": acc["computed"],
-            "seal_requests": acc["seals"], "fork_requests": acc["forks"],
+            "seal_requests": acc["seals"], "fork_requests": acc["forks"], "refusals": acc["refusals"],
             "peak_kv_used": loads.peak_used, "mean_kv_used": loads.mean_used,
             "peak_kv_allocated": loads.peak_allocated, "load_samples": loads.samples}
 
@@ -410,7 +422,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
                  dtype: str = "float32", port: int | None = None, threads: int = 2,
                  progress: Progress | None = None, log_dir: str | None = None, workload: str = "synthetic",
                  repeats: int = 3, arms: tuple[str, ...] = ARMS, sessions: int | None = None, aux_tokens: int = 8,
-                 no_op: bool = True, no_op_sessions: int = 2, poll_s: float = 0.25) -> dict:
+                 no_op: bool = True, no_op_sessions: int = 2, poll_s: float = 0.25, miss: str = "refuse") -> dict:
     """The benchmark's JSON: {"default": {...}, "kvsteward": {...}, "kvsteward_nofree": {...}, "kvsteward_aux":
     {...}, "no_op_overhead": float, "repeats": {arm: [...]}, "workload": {...}}.
 
@@ -420,7 +432,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
     round; each server gets a warm-up through the op path first (one short session with drops). Per arm: the mean
     over rounds of each number (per-round values under "repeats"); `reprefills` etc. from the tree's stats line.
     `no_op_overhead`: mean turn latency of op-free sessions on the kvsteward server / on the default one (each
-    round, after the timed pass, `no_op_sessions` synthetic sessions of 3 turns)."""
+    round, after the timed pass, `no_op_sessions` synthetic sessions of 3 turns). `miss`: see `play_arm`."""
     import json
     import os
     from pathlib import Path
@@ -456,12 +468,12 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
                          poll_s=poll_s)
                 before = tree_stats(log.read_text(errors="replace"))
                 retracted = retractions(log.read_text(errors="replace"))
-                res = play_arm(url, make(), max_new_tokens, arm, trigger, aux_tokens, poll_s=poll_s)
+                res = play_arm(url, make(), max_new_tokens, arm, trigger, aux_tokens, poll_s=poll_s, miss=miss)
                 text = log.read_text(errors="replace")
                 after = tree_stats(text)
                 res["retractions"] = retractions(text) - retracted
                 for key in ("reprefill", "compactions", "freed", "forks", "refused", "compacted_miss", "pinned",
-                            "op_nodes"):
+                            "refused_miss", "op_nodes"):
                     if key in after:
                         res["tree_" + key] = after[key] - (before.get(key, 0) if key != "op_nodes" else 0)
                 res["reprefills"] = res.get("tree_reprefill", 0)
@@ -477,7 +489,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
             if progress:
                 progress(f"round {r + 1}: {arm}: {res['output_tok_s']:.1f} output tok/s, p95 {res['p95_s']:.2f} s, "
                          f"{res['retractions']} retractions, peak used {res['peak_kv_used']}, "
-                         f"re-prefills {res['reprefills']}")
+                         f"re-prefills {res['reprefills']}, refusals {res['refusals']}")
 
     def mean(xs: list[dict]) -> dict:
         keys = [k for k, v in xs[0].items() if isinstance(v, int | float)]
@@ -495,7 +507,7 @@ def bench_sglang(model_dir: str, tokenizer, concurrency: int = 4, turns: int = 8
                        "turns": turns, "max_new_tokens": max_new_tokens, "keep_tool_responses": keep,
                        "reposition_every_nth_drop": reposition_every, "tool_words": tool_words, "dtype": dtype,
                        "max_total_tokens": max_total_tokens, "server_threads": threads, "repeats": repeats,
-                       "arms": list(arms), "aux_tokens": aux_tokens, "teacher_forced": True}
+                       "arms": list(arms), "aux_tokens": aux_tokens, "teacher_forced": True, "miss": miss}
     return out
 
 
@@ -522,6 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--aux-tokens", type=int, default=8)
     p.add_argument("--no-op", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--miss", default="refuse", choices=["refuse", "reprefill"])
     p.add_argument("--log-dir", default="")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -531,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                           keep=a.keep, reposition_every=a.reposition_every, tool_words=a.tool_words,
                           max_total_tokens=a.max_total_tokens, dtype=a.dtype, threads=a.threads,
                           log_dir=a.log_dir or None, workload=a.workload, repeats=a.repeats,
-                          arms=tuple(a.arms.split(",")), aux_tokens=a.aux_tokens, no_op=a.no_op,
+                          arms=tuple(a.arms.split(",")), aux_tokens=a.aux_tokens, no_op=a.no_op, miss=a.miss,
                           progress=lambda m: print(m, file=__import__("sys").stderr, flush=True))
     result["workload"]["model"] = a.model
     print(json.dumps(result, indent=None if a.json else 2))

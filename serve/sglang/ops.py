@@ -223,6 +223,7 @@ class SglangRequest:
     last_message_len: int = 0  # tokens of the last message (an aux fork's trigger: computed with the adapter)
     op_chain: tuple[tuple[str, int, int], ...] = ()  # `HistoryState.op_chain`
     refuse_miss: bool = False  # `miss: "refuse"`: a pre-op state the tree lacks is refused, not re-prefilled
+    hold: bool = False  # `hold: true`: the state this request leaves is held until an op request continues it
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -242,14 +243,15 @@ class SglangRequest:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     @classmethod
-    def of(cls, state: HistoryState, namespace: str | None, refuse_miss: bool = False) -> SglangRequest:
+    def of(cls, state: HistoryState, namespace: str | None, refuse_miss: bool = False,
+           hold: bool = False) -> SglangRequest:
         if not state.elements or state.elements[-1][0] != "tokens":
             raise OpsError("the history must end with appended tokens after its last op (the generation prompt)",
                            "messages")
         return cls(elements=state.elements, physical_ids=_array(state.tokens), namespace=namespace,
                    position_tensor=state.positions, next_position=state.next_position, key=state.key,
                    last_message_len=int(state.starts[-1] - state.starts[-2]), op_chain=state.op_chain,
-                   refuse_miss=refuse_miss)
+                   refuse_miss=refuse_miss, hold=hold)
 
 
 class HistoryStore:
@@ -320,10 +322,12 @@ def _token_array(x: Any, where: str) -> array:
 def _check_spec(spec: Any) -> dict:
     if not isinstance(spec, dict):
         raise OpsError(f"{FIELD} must be an object {{'messages': [[ids], ...], 'cache': {{...}}}}", FIELD)
-    unknown = set(spec) - {"v", "messages", "cache", "base", "n", "miss"}
+    unknown = set(spec) - {"v", "messages", "cache", "base", "n", "miss", "hold"}
     if unknown:
         raise OpsError(f"{FIELD} has unknown field(s) {sorted(unknown)}: only 'v', 'messages', 'cache', 'base', "
-                       "'n', 'miss'", FIELD)
+                       "'n', 'miss', 'hold'", FIELD)
+    if not isinstance(spec.get("hold", False), bool):
+        raise OpsError(f"{FIELD}.hold = {spec.get('hold')!r}: true or false", f"{FIELD}.hold")
     if spec.get("miss", MISS_MODES[0]) not in MISS_MODES:
         raise OpsError(f"{FIELD}.miss = {spec.get('miss')!r}: one of {list(MISS_MODES)}", f"{FIELD}.miss")
     if spec.get("v", VERSION) != VERSION:
@@ -352,7 +356,8 @@ def parse_spec(spec: Any, namespace: str | None, store: HistoryStore | None = No
         if "base" in spec:
             raise OpsError(f"{FIELD}.base needs the server's history store", f"{FIELD}.base")
         store = HistoryStore(max_entries=1)
-    return SglangRequest.of(store.resolve(spec), namespace, refuse_miss=spec.get("miss") == "refuse")
+    return SglangRequest.of(store.resolve(spec), namespace, refuse_miss=spec.get("miss") == "refuse",
+                            hold=bool(spec.get("hold", False)))
 
 
 def split_extra_key(extra_key: str | None, lora_id: str | None) -> str | None:
@@ -382,18 +387,20 @@ def _spec_text(spec: dict) -> str:
 
 
 def request_fields(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
-                   base: HistoryState | None = None, miss: str | None = None) -> dict:
+                   base: HistoryState | None = None, miss: str | None = None, hold: bool = False) -> dict:
     """The `/generate` fields for a conversation (message token ids) and its cache ops: `input_ids` (physical) plus
     the history as a JSON string in `sampling_params.custom_params` (via="custom_params") or in `extra_key`
     (via="extra_key"). With `base` (the state of messages[:base.n], as the server remembers it), only the new
     messages and the ops at boundaries >= base.n - 1 are sent (the compact form). `miss` (one of `MISS_MODES`;
-    None = the server's default, "reprefill") says what the server does when an op's pre-op state is not cached."""
-    return build_request(messages, cache, via, base, miss)[0]
+    None = the server's default, "reprefill") says what the server does when an op's pre-op state is not cached.
+    `hold`: the server holds the state this request leaves (bounded) until a request continues it with an op: a seal
+    (the state before the next turn's op, sent with 1 new token)."""
+    return build_request(messages, cache, via, base, miss, hold)[0]
 
 
 def build_request(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
-                  base: HistoryState | None = None,
-                  miss: str | None = None) -> tuple[dict, HistoryState, HistoryState | None]:
+                  base: HistoryState | None = None, miss: str | None = None,
+                  hold: bool = False) -> tuple[dict, HistoryState, HistoryState | None]:
     """`request_fields`, the state the server will remember for the request (its `key` names it) and the one
     before its last message (remembered too, when the request sends more than one message)."""
     if via not in ("custom_params", "extra_key"):
@@ -403,6 +410,8 @@ def build_request(messages: list[list[int]], cache: dict | None = None, via: str
     state, penultimate, spec = _resolve_local(messages, cache, base)
     if miss is not None:
         spec["miss"] = miss
+    if hold:
+        spec["hold"] = True
     text = _spec_text(spec)
     ids = list(_array(state.tokens))
     if via == "custom_params":
@@ -450,8 +459,9 @@ class SglangHistory:
         self.via, self.miss = via, miss
         self._known: list[HistoryState] = []  # what the server remembers from the last main request
 
-    def fields(self, messages: list[list[int]], cache: dict | None = None, full: bool = False) -> dict:
-        body, state, penultimate = self._build(messages, cache, full)
+    def fields(self, messages: list[list[int]], cache: dict | None = None, full: bool = False,
+               hold: bool = False) -> dict:
+        body, state, penultimate = self._build(messages, cache, full, hold)
         self._known = [s for s in (state, penultimate) if s is not None]
         return body
 
@@ -462,9 +472,9 @@ class SglangHistory:
         """Forget what was sent (a server restart): the next request goes in full."""
         self._known = []
 
-    def _build(self, messages, cache, full):
+    def _build(self, messages, cache, full, hold=False):
         base = None if full else self._base(messages, cache or {})
-        return build_request(messages, cache, via=self.via, base=base, miss=self.miss)
+        return build_request(messages, cache, via=self.via, base=base, miss=self.miss, hold=hold)
 
     def pre_op_fields(self, messages: list[list[int]], cache: dict | None, tokens: int) -> dict:
         """The full-form request for the state a refused request named (`refused_pre_op`): the messages whose
@@ -479,7 +489,7 @@ class SglangHistory:
         cache = cache or {}
         before = {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) < last},
                   "reposition": [i for i in (cache.get("reposition") or []) if int(i) < last]}
-        return build_request(messages[: last + 1], before, via=self.via, miss=self.miss)[0]
+        return build_request(messages[: last + 1], before, via=self.via, miss=self.miss, hold=True)[0]
 
     def _base(self, messages: list[list[int]], cache: dict) -> HistoryState | None:
         known = [s for s in self._known if 0 < s.n < len(messages)]

@@ -85,6 +85,8 @@ class _Walk:
     why: str = ""  # what made the walk inexact (logged with the re-prefill)
     pre_op_tokens: int = 0  # inexact because an op's pre-op state is not cached whole: that state's logical length
     fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
+    hold: bool = False  # the request asked to hold the state it leaves (`hold: true`: a seal)
+    held: list = field(default_factory=list)  # held pre-op states this walk continues with an op
 
     @property
     def anchor_len(self) -> int:
@@ -98,7 +100,7 @@ class _Walk:
 
 class OpRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, rope: RopeSpec | ModelRope | None = None, plain_drop: bool = True,
-                 free: str = "lazy"):
+                 free: str = "lazy", hold_fraction: float = 0.5):
         if params.page_size != 1:
             raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
         if params.is_eagle:
@@ -114,7 +116,7 @@ class OpRadixCache(RadixCache):
         self.free = free  # when dead KV (dropped tokens, superseded versions) is freed: see `free_dead`
         self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
                       "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0,
-                      "refused_miss": 0}
+                      "refused_miss": 0, "held": 0, "hold_taken": 0, "hold_expired": 0}
         self._op_set: set[OpNode] = set()  # every op node in the tree
         # compacted op nodes (re-parented under a chain key): reachable only through this index, so it has no cap
         self._compacted: dict[tuple, OpNode] = {}
@@ -124,6 +126,12 @@ class OpRadixCache(RadixCache):
         # retracted, unfinished requests: id(req) -> (weakref to req, pinned anchor); at most `max_pins`
         self._pins: OrderedDict[int, tuple[Any, TreeNode]] = OrderedDict()
         self.max_pins = 64
+        # held seals (node -> tokens), oldest first, within `hold_budget` tokens; holds taken by requests by id(req)
+        self._holds: OrderedDict[TreeNode, int] = OrderedDict()
+        self._held_tokens = 0
+        size = getattr(self.token_to_kv_pool_allocator, "size", 0) if self.token_to_kv_pool_allocator else 0
+        self.hold_budget = int(hold_fraction * size)
+        self._taken: dict[int, tuple[Any, list]] = {}
         self._logged_stats: dict = {}
         self._walks: dict[int, _Walk] = {}  # id(req) -> its walk, from match_prefix until the req is released
         self.histories = HistoryStore()  # parsed histories by chained key: a turn sends only what is new
@@ -131,6 +139,14 @@ class OpRadixCache(RadixCache):
         # deepest one the tree still holds, so its cost does not grow with the ops before it
         self._anchors: OrderedDict[tuple, OpNode] = OrderedDict()
         self.max_anchors = 65536
+
+    def reset(self):
+        """sglang's `flush_cache` (an idle server): a new root, so the locks held on the old tree are gone with it."""
+        super().reset()
+        for name in ("_holds", "_taken", "_pins"):
+            if hasattr(self, name):
+                getattr(self, name).clear()
+        self._held_tokens = 0
 
     # -- request -> history ------------------------------------------------------------------------------------------
     def _history(self, params: MatchPrefixParams) -> SglangRequest | None:
@@ -174,7 +190,7 @@ class OpRadixCache(RadixCache):
         # the tree holds the same tokens (e.g. the `<|im_start|>` the main's reply also starts with)
         limit = min(len(params.key), len(phys) - hist.last_message_len) if fork else len(params.key)
         walk = self.walk(hist, params.key, limit=limit)
-        walk.fork = fork
+        walk.fork, walk.hold = fork, hist.hold
         if walk.fork and not walk.exact:
             # the prefix the manager reads must be the base model's state; it is not cached, and a LoRA request
             # would compute it with the adapter on: served as sglang serves any LoRA request (its own namespace)
@@ -215,6 +231,8 @@ class OpRadixCache(RadixCache):
         if params.req is not None:
             self._walks[id(params.req)] = walk
             setattr(params.req, OFFSET_ATTR, walk.position_offset)
+            if walk.held and not walk.fork:
+                self._take_holds(params.req, walk.held)
             self.stats["offset_requests"] += bool(walk.position_offset)
         row = torch.cat(walk.row) if walk.row else _EMPTY.to(self.device)
         self._log_stats()
@@ -256,6 +274,8 @@ class OpRadixCache(RadixCache):
                     walk.why = f"message segment {k}: {matched} of {len(e[1])} tokens cached before an op"
                     walk.pre_op_tokens = n_logical + len(e[1])
                     return walk
+                if k < len(hist.elements) - 1 and walk.node in self._holds:
+                    walk.held.append(walk.node)
                 n_logical += matched
             else:
                 child = walk.node.children.get(("kvsteward-op", *e))
@@ -432,7 +452,9 @@ class OpRadixCache(RadixCache):
             return
         token_ids = (req.origin_input_ids + req.output_ids)[:up_to]
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        freed_end = self._insert_tail(req, walk, token_ids, kv_indices)[0]
+        freed_end, node = self._insert_tail(req, walk, token_ids, kv_indices)
+        if walk.hold:
+            self._hold(node, len(token_ids))
         protected = req.kv.cache_protected_len
         # the new slots of tokens the tree already held are duplicates; the tree owns everything else now
         self.token_to_kv_pool_allocator.free_segment(kv_indices[protected:freed_end], start_pos=protected)
@@ -441,6 +463,7 @@ class OpRadixCache(RadixCache):
     def on_release(self, req: Any, *, inserted: bool) -> None:
         walk = self._walks.pop(id(req), None)
         self._unpin(id(req))
+        self._release_taken(id(req))
         if not inserted and walk is not None and not walk.fork and isinstance(walk.anchor, OpNode) \
                 and not _finished(req) and self._attached(walk.anchor):
             self._pin(req, walk.anchor)
@@ -470,9 +493,48 @@ class OpRadixCache(RadixCache):
             self.dec_lock_ref(pin[1])
 
     def _sweep_pins(self) -> None:
-        """Pins of requests that no longer exist (aborted while waiting) are released."""
+        """Pins and taken holds of requests that no longer exist (aborted while waiting) are released."""
         for key in [k for k, (ref, _) in self._pins.items() if ref() is None]:
             self._unpin(key)
+        for key in [k for k, (ref, _) in self._taken.items() if ref() is None]:
+            self._release_taken(key)
+
+    # -- holds: a sealed pre-op state stays until the op request that continues it is released -----------------------
+    def _hold(self, node: TreeNode, tokens: int) -> None:
+        """A seal (`hold: true`) just cached the state an op request will continue. Under memory pressure sglang
+        would evict it as soon as other requests need room, before that request is admitted (a cyclic pattern:
+        least recently used is the next one needed), and the op request would then miss it. It is locked instead,
+        until a walk continues it with an op (`_take_holds`: the lock passes to that request, released with it).
+        Bounded: held tokens stay within `hold_budget` (oldest released first), so holds can never fill the pool."""
+        if node is self.root_node or node in self._holds:
+            return
+        self.inc_lock_ref(node)
+        self._holds[node] = tokens
+        self._held_tokens += tokens
+        self.stats["held"] += 1
+        while self._held_tokens > self.hold_budget and self._holds:
+            old, n = self._holds.popitem(last=False)
+            self._held_tokens -= n
+            self.stats["hold_expired"] += 1
+            self.dec_lock_ref(old)
+
+    def _take_holds(self, req: Any, nodes: list) -> None:
+        try:
+            ref = weakref.ref(req)
+        except TypeError:
+            return
+        taken = self._taken.setdefault(id(req), (ref, []))[1]
+        for node in nodes:
+            n = self._holds.pop(node, None)
+            if n is not None:
+                self._held_tokens -= n
+                taken.append(node)  # the lock now lives as long as the request
+                self.stats["hold_taken"] += 1
+
+    def _release_taken(self, key: int) -> None:
+        entry = self._taken.pop(key, None)
+        for node in entry[1] if entry else ():
+            self.dec_lock_ref(node)
 
     # -- freeing dead KV: lazy path compaction with ownership transfer ------------------------------------------------
     def inc_lock_ref(self, node: TreeNode):
@@ -663,8 +725,11 @@ def create_tree_cache(ctx: Any) -> OpRadixCache:
         raise ValueError("--radix-cache-backend kvsteward supports plain MHA models without hierarchical cache "
                          "(no SWA / Mamba / DSA hybrids, no --enable-hierarchical-cache)")
     free = os.environ.get("KVSTEWARD_FREE", "lazy")
+    hold = float(os.environ.get("KVSTEWARD_HOLD", "0.5"))
+    if not 0 <= hold < 1:
+        raise ValueError(f"KVSTEWARD_HOLD must be a fraction of the pool in [0, 1), got {hold}")
     return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config), plain_drop=plain_drop_supported(ctx),
-                        free=free)
+                        free=free, hold_fraction=hold)
 
 
 def _finished(req: Any) -> bool:
