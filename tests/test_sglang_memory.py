@@ -389,9 +389,10 @@ def ops_before(cache, t):
 @given(seed=st.integers(0, 2 ** 32 - 1), free=st.sampled_from(["lazy", "eager"]), size=st.sampled_from([96, 160]))
 def test_property_random_ops_locks_and_evictions(seed, free, size):
     """Three sessions advance turn by turn (each turn's request carries the ops at earlier boundaries) under random
-    interleavings of admission, finishing, retraction (and re-admission), sibling branches, aux forks, evictions and
-    frees, in a small pool. After every step: sglang's invariant checks and ownership hold, and every running row is
-    the float64 truth at the engine's positions (free slots poisoned). At the end every slot returns exactly once."""
+    interleavings of admission, finishing, retraction (and re-admission), sibling branches, aux forks, evictions,
+    frees and held seals, in a small pool. After every step: sglang's invariant checks and ownership hold, and every
+    running row is the float64 truth at the engine's positions (free slots poisoned). At the end every slot returns
+    exactly once."""
     rng = random.Random(seed)
     s = server(size=size, free=free)
     sessions = [random_session(rng) for _ in range(3)]
@@ -400,7 +401,7 @@ def test_property_random_ops_locks_and_evictions(seed, free, size):
     retracted: dict[int, SimReq] = {}
     exact: dict[int, bool] = {}
     forks: list[SimReq] = []
-    actions = ["start"] * 4 + ["finish"] * 4 + ["retract", "evict", "free", "branch", "fork"]
+    actions = ["start"] * 4 + ["finish"] * 4 + ["retract", "evict", "free", "branch", "fork", "seal"]
     for _ in range(rng.randint(20, 60)):
         action, k = rng.choice(actions), rng.randrange(3)
         messages, cache = sessions[k]
@@ -431,6 +432,11 @@ def test_property_random_ops_locks_and_evictions(seed, free, size):
                 s.run(req(messages[: turn[k]] + [tail], ops_before(cache, turn[k] - 1)))
             except MemoryError:
                 pass
+        elif action == "seal" and turn[k] > 0 and k not in running:  # held until the op request takes it
+            try:
+                s.run(sealed(messages[: turn[k]], ops_before(cache, turn[k] - 1)), [rng.randrange(VOCAB)])
+            except MemoryError:
+                pass
         elif action == "fork" and turn[k] > 0 and not forks:
             body = aux.fork_request(messages[: turn[k]], ops_before(cache, turn[k] - 1), TRIG)
             f = SimReq(body["input_ids"], body["sampling_params"]["custom_params"], lora_id="adapter")
@@ -455,7 +461,9 @@ def test_property_random_ops_locks_and_evictions(seed, free, size):
             s.finish(r)
         except MemoryError:
             s.cache._unpin(id(r))
+    s.cache.release_holds()  # seals no request continued
     s.check()
+    event(f"holds taken>0: {s.cache.stats['hold_taken'] > 0}")
     event(f"compactions>0: {s.cache.stats['compactions'] > 0}")
     event(f"pinned>0: {s.cache.stats['pinned'] > 0}")
     event(f"reprefill>0: {s.cache.stats['reprefill'] > 0}")

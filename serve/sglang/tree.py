@@ -518,6 +518,15 @@ class OpRadixCache(RadixCache):
             self.stats["hold_expired"] += 1
             self.dec_lock_ref(old)
 
+    def release_holds(self) -> int:
+        """Release every hold no request has taken yet (they become evictable): the number released."""
+        n = len(self._holds)
+        while self._holds:
+            node, tokens = self._holds.popitem(last=False)
+            self._held_tokens -= tokens
+            self.dec_lock_ref(node)
+        return n
+
     def _take_holds(self, req: Any, nodes: list) -> None:
         try:
             ref = weakref.ref(req)
