@@ -807,7 +807,8 @@ def test_a_miss_is_refused_before_any_work_when_the_request_asks():
 def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
     """The two scheduler hooks: a marked request reserves nothing (`CONTINUE` without the adder seeing it) and is
     aborted through sglang's `abort_request` after the batch is built, with a 409 `kvsteward_miss` finish reason
-    naming the pre-op state; unmarked requests pass through untouched."""
+    naming the pre-op state; unmarked requests pass through untouched. When nothing runs and nothing was admitted
+    while requests wait, held seals are released."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS
@@ -821,14 +822,20 @@ def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
     assert skip_refused(lambda adder, req, *a, **k: seen.append(req) or AddReqResult.NO_TOKEN, None, plain,
                         False, None) is AddReqResult.NO_TOKEN
     assert seen == [plain]
-    aborted = []
-    scheduler = SimpleNamespace(waiting_queue=[plain, marked], abort_request=aborted.append)
-    assert abort_refused(lambda sch, running: "plan", scheduler, None) == "plan"
+    aborted, released = [], []
+    idle = SimpleNamespace(batch_to_run=None, running_batch=SimpleNamespace(is_empty=lambda: True))
+    tree = SimpleNamespace(release_holds=lambda: released.append(1) or 1)
+    scheduler = SimpleNamespace(waiting_queue=[plain, marked], abort_request=aborted.append, tree_cache=tree)
+    assert abort_refused(lambda sch, running: idle, scheduler, None) is idle
+    assert released == [1]  # nothing ran or was admitted while requests wait: holds released
     (abort,) = aborted
     assert abort.rid == "m" and abort.finished_reason["status_code"] == 409
     assert abort.finished_reason["err_type"] == MISS_ERR_TYPE and abort.finished_reason[MISS_TOKENS] == 42
     assert "first 42 tokens" in abort.finished_reason["message"]
     assert getattr(marked, REFUSAL_ATTR) is None  # aborted once
+    busy = SimpleNamespace(batch_to_run="batch", running_batch=SimpleNamespace(is_empty=lambda: True))
+    abort_refused(lambda sch, running: busy, scheduler, None)
+    assert released == [1] and len(aborted) == 1  # a batch was admitted: holds stay; nothing more to abort
 
 
 def test_the_client_rebuilds_each_lost_state_then_resends():

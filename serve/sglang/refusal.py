@@ -16,6 +16,9 @@ request (`REFUSAL_ATTR` = (logical tokens of the pre-op state, why)). Two AROUND
   `{"type": "abort", "status_code": 409, "err_type": "kvsteward_miss", "kvsteward_pre_op_tokens": T, ...}`. 409 is
   not one of the codes sglang turns into an HTTP error, so `/generate` answers 200 with it in `meta_info`.
 
+The same hook is the safety valve of held seals (`OpRadixCache._hold`): when nothing runs and nothing was admitted
+while requests wait, every hold is released, so holds can delay admission but never block it.
+
 A retracted request (it has output) is never refused: its anchor is pinned (`OpRadixCache._pin`) and a re-prefill
 there is counted. Requests without the mark are untouched, so with another `--radix-cache-backend` both hooks are
 inert.
@@ -56,6 +59,12 @@ def skip_refused(original, adder, req, *args, **kwargs):
 
 def abort_refused(original, scheduler, *args, **kwargs):
     plan = original(scheduler, *args, **kwargs)
+    release = getattr(scheduler.tree_cache, "release_holds", None)
+    if release is not None and getattr(plan, "batch_to_run", None) is None and scheduler.waiting_queue \
+            and plan.running_batch.is_empty() and release():
+        # nothing runs and nothing was admitted: held seals (`OpRadixCache._hold`) must not be what keeps the head
+        # of the queue out, so they become evictable (their requests then miss and rebuild)
+        logger.warning("kvsteward: no request admissible while seals are held: holds released")
     refused = [r for r in scheduler.waiting_queue if refusal(r) is not None]
     if refused:
         from sglang.srt.managers.io_struct import AbortReq
