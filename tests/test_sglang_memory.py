@@ -283,16 +283,22 @@ def test_a_held_seal_survives_eviction_until_its_op_request_is_released():
     assert_all_returned(s)
 
 
-def test_holds_stay_within_their_budget_and_die_with_their_request():
-    """Held tokens stay within `hold_budget` (the oldest hold released first), so holds never fill the pool; a hold
-    taken by a request that is aborted while waiting is released by the next match."""
+def test_holds_stay_within_their_budget_expire_and_die_with_their_request():
+    """Held tokens stay within `hold_budget`, first come first held (a seal that does not fit is not held), so holds
+    never fill the pool; a hold nobody took within `hold_ttl` is released; a hold taken by a request that is aborted
+    while waiting is released by the next match."""
     import gc
 
     s = server()
     s.cache.hold_budget = len(A + B + C) + 1
     s.run(sealed([A, B, C]), [50])
-    s.run(sealed([D, A, E]), [50])  # over the budget: the first hold expires
-    assert s.cache.stats["hold_expired"] == 1 and list(s.cache._holds.values()) == [len(D + A + E)]
+    s.run(sealed([D, A, E]), [50])  # over the budget: not held; the first stays
+    assert s.cache.stats["hold_over_budget"] == 1 and [t for t, _ in s.cache._holds.values()] == [len(A + B + C)]
+    s.cache.hold_ttl = 0.0
+    s.run(req([A]))  # any match releases holds older than the ttl
+    assert s.cache.stats["hold_expired"] == 1 and not s.cache._holds
+    s.cache.hold_ttl = 60.0
+    s.run(sealed([D, A, E]), [50])
     s.evict_all()
     s.check()
     r = req([D, A, E, B], {"drop": {"2": [1]}})

@@ -100,7 +100,7 @@ class _Walk:
 
 class OpRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, rope: RopeSpec | ModelRope | None = None, plain_drop: bool = True,
-                 free: str = "lazy", hold_fraction: float = 0.5):
+                 free: str = "lazy", hold_fraction: float = 0.5, hold_ttl: float = 60.0):
         if params.page_size != 1:
             raise ValueError(f"kvsteward's tree cache needs page_size 1, got {params.page_size}")
         if params.is_eagle:
@@ -116,7 +116,8 @@ class OpRadixCache(RadixCache):
         self.free = free  # when dead KV (dropped tokens, superseded versions) is freed: see `free_dead`
         self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
                       "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0,
-                      "refused_miss": 0, "held": 0, "hold_taken": 0, "hold_expired": 0}
+                      "refused_miss": 0, "held": 0, "hold_taken": 0, "hold_expired": 0,
+                      "hold_over_budget": 0}
         self._op_set: set[OpNode] = set()  # every op node in the tree
         # compacted op nodes (re-parented under a chain key): reachable only through this index, so it has no cap
         self._compacted: dict[tuple, OpNode] = {}
@@ -126,8 +127,10 @@ class OpRadixCache(RadixCache):
         # retracted, unfinished requests: id(req) -> (weakref to req, pinned anchor); at most `max_pins`
         self._pins: OrderedDict[int, tuple[Any, TreeNode]] = OrderedDict()
         self.max_pins = 64
-        # held seals (node -> tokens), oldest first, within `hold_budget` tokens; holds taken by requests by id(req)
-        self._holds: OrderedDict[TreeNode, int] = OrderedDict()
+        # held seals (node -> (tokens, when)), oldest first, within `hold_budget` tokens, released after `hold_ttl` s
+        # if no request took them; holds taken by requests, by id(req)
+        self._holds: OrderedDict[TreeNode, tuple[int, float]] = OrderedDict()
+        self.hold_ttl = hold_ttl
         self._held_tokens = 0
         size = getattr(self.token_to_kv_pool_allocator, "size", 0) if self.token_to_kv_pool_allocator else 0
         self.hold_budget = int(hold_fraction * size)
@@ -171,6 +174,7 @@ class OpRadixCache(RadixCache):
             setattr(params.req, OFFSET_ATTR, 0)
             setattr(params.req, REFUSAL_ATTR, None)
         self._sweep_pins()
+        self._expire_holds()
         hist = self._history(params)
         if self.disable or hist is None:
             return super().match_prefix(params)
@@ -505,24 +509,34 @@ class OpRadixCache(RadixCache):
         would evict it as soon as other requests need room, before that request is admitted (a cyclic pattern:
         least recently used is the next one needed), and the op request would then miss it. It is locked instead,
         until a walk continues it with an op (`_take_holds`: the lock passes to that request, released with it).
-        Bounded: held tokens stay within `hold_budget` (oldest released first), so holds can never fill the pool."""
+        Bounded: held tokens stay within `hold_budget`, first come first held (a seal that does not fit is not held:
+        under FCFS admission the earliest held states are the next ones continued, so expiring them for a newer one
+        would evict what is needed first); a hold no request took within `hold_ttl` seconds is released (its client
+        went away)."""
         if node is self.root_node or node in self._holds:
             return
+        self._expire_holds()
+        if self._held_tokens + tokens > self.hold_budget:
+            self.stats["hold_over_budget"] += 1
+            return
         self.inc_lock_ref(node)
-        self._holds[node] = tokens
+        self._holds[node] = (tokens, time.monotonic())
         self._held_tokens += tokens
         self.stats["held"] += 1
-        while self._held_tokens > self.hold_budget and self._holds:
-            old, n = self._holds.popitem(last=False)
-            self._held_tokens -= n
+
+    def _expire_holds(self) -> None:
+        deadline = time.monotonic() - self.hold_ttl
+        while self._holds and next(iter(self._holds.values()))[1] < deadline:
+            node, (tokens, _) = self._holds.popitem(last=False)
+            self._held_tokens -= tokens
             self.stats["hold_expired"] += 1
-            self.dec_lock_ref(old)
+            self.dec_lock_ref(node)
 
     def release_holds(self) -> int:
         """Release every hold no request has taken yet (they become evictable): the number released."""
         n = len(self._holds)
         while self._holds:
-            node, tokens = self._holds.popitem(last=False)
+            node, (tokens, _) = self._holds.popitem(last=False)
             self._held_tokens -= tokens
             self.dec_lock_ref(node)
         return n
@@ -534,9 +548,9 @@ class OpRadixCache(RadixCache):
             return
         taken = self._taken.setdefault(id(req), (ref, []))[1]
         for node in nodes:
-            n = self._holds.pop(node, None)
-            if n is not None:
-                self._held_tokens -= n
+            held = self._holds.pop(node, None)
+            if held is not None:
+                self._held_tokens -= held[0]
                 taken.append(node)  # the lock now lives as long as the request
                 self.stats["hold_taken"] += 1
 
@@ -737,8 +751,9 @@ def create_tree_cache(ctx: Any) -> OpRadixCache:
     hold = float(os.environ.get("KVSTEWARD_HOLD", "0.5"))
     if not 0 <= hold < 1:
         raise ValueError(f"KVSTEWARD_HOLD must be a fraction of the pool in [0, 1), got {hold}")
+    ttl = float(os.environ.get("KVSTEWARD_HOLD_TTL", "60"))
     return OpRadixCache(ctx.params, rope=model_rope_spec(ctx.model_config), plain_drop=plain_drop_supported(ctx),
-                        free=free, hold_fraction=hold)
+                        free=free, hold_fraction=hold, hold_ttl=ttl)
 
 
 def _finished(req: Any) -> bool:
