@@ -253,9 +253,9 @@ def test_a_retracted_request_keeps_its_anchor_and_resumes_exactly():
     assert_all_returned(s)
 
 
-def sealed(messages, cache=None, **kw) -> SimReq:
-    """A seal that asks the tree to hold the state it leaves (`hold: true`)."""
-    body = request_fields(messages, cache, hold=True)
+def sealed(messages, cache=None, hold=True, **kw) -> SimReq:
+    """A seal that asks the tree to hold the state it leaves (`hold: true`; "always" for a rebuild)."""
+    body = request_fields(messages, cache, hold=hold)
     return SimReq(body["input_ids"], body["sampling_params"]["custom_params"], **kw)
 
 
@@ -285,8 +285,8 @@ def test_a_held_seal_survives_eviction_until_its_op_request_is_released():
 
 def test_holds_stay_within_their_budget_expire_and_die_with_their_request():
     """Held tokens stay within `hold_budget`, first come first held (a seal that does not fit is not held), so holds
-    never fill the pool; a hold nobody took within `hold_ttl` is released; a hold taken by a request that is aborted
-    while waiting is released by the next match."""
+    never fill the pool, except rebuilds (`hold: "always"`, counted); a hold nobody took within `hold_ttl` is
+    released; a hold taken by a request that is aborted while waiting is released by the next match."""
     import gc
 
     s = server()
@@ -294,9 +294,14 @@ def test_holds_stay_within_their_budget_expire_and_die_with_their_request():
     s.run(sealed([A, B, C]), [50])
     s.run(sealed([D, A, E]), [50])  # over the budget: not held; the first stays
     assert s.cache.stats["hold_over_budget"] == 1 and [t for t, _ in s.cache._holds.values()] == [len(A + B + C)]
+    s.run(sealed([E, D], hold="always"), [50])  # a rebuild: held past the budget (and counted)
+    assert [t for t, _ in s.cache._holds.values()] == [len(A + B + C), len(E + D)]
+    assert s.cache._held_tokens == len(A + B + C + E + D) > s.cache.hold_budget
+    s.run(sealed([B, E, D]), [50])  # over the budget: not held
+    assert s.cache.stats["hold_over_budget"] == 2 and len(s.cache._holds) == 2
     s.cache.hold_ttl = 0.0
     s.run(req([A]))  # any match releases holds older than the ttl
-    assert s.cache.stats["hold_expired"] == 1 and not s.cache._holds
+    assert s.cache.stats["hold_expired"] == 2 and not s.cache._holds
     s.cache.hold_ttl = 60.0
     s.run(sealed([D, A, E]), [50])
     s.evict_all()

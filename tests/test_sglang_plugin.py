@@ -873,7 +873,7 @@ def test_the_client_rebuilds_each_lost_state_then_resends():
     seal = history.pre_op_fields(messages, cache, len(A + B + C + D + E))
     spec = json.loads(seal["sampling_params"]["custom_params"]["kvsteward"])
     assert len(spec["messages"]) == 5 and spec["cache"] == {"drop": {"2": [1]}, "reposition": []}
-    assert spec["miss"] == "refuse"
+    assert spec["miss"] == "refuse" and spec["hold"] == "always"  # a rebuild is held past the hold budget
     with pytest.raises(OpsError, match="no message boundary"):
         history.pre_op_fields(messages, cache, len(A) + 1)
     held.clear()

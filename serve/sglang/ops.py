@@ -223,7 +223,9 @@ class SglangRequest:
     last_message_len: int = 0  # tokens of the last message (an aux fork's trigger: computed with the adapter)
     op_chain: tuple[tuple[str, int, int], ...] = ()  # `HistoryState.op_chain`
     refuse_miss: bool = False  # `miss: "refuse"`: a pre-op state the tree lacks is refused, not re-prefilled
-    hold: bool = False  # `hold: true`: the state this request leaves is held until an op request continues it
+    # the state this request leaves is held until an op request continues it: "budget" (`hold: true`, within the
+    # tree's hold budget), "always" (a rebuild, whose request was refused once already), "" (not held)
+    hold: str = ""
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -244,7 +246,7 @@ class SglangRequest:
 
     @classmethod
     def of(cls, state: HistoryState, namespace: str | None, refuse_miss: bool = False,
-           hold: bool = False) -> SglangRequest:
+           hold: str = "") -> SglangRequest:
         if not state.elements or state.elements[-1][0] != "tokens":
             raise OpsError("the history must end with appended tokens after its last op (the generation prompt)",
                            "messages")
@@ -326,8 +328,8 @@ def _check_spec(spec: Any) -> dict:
     if unknown:
         raise OpsError(f"{FIELD} has unknown field(s) {sorted(unknown)}: only 'v', 'messages', 'cache', 'base', "
                        "'n', 'miss', 'hold'", FIELD)
-    if not isinstance(spec.get("hold", False), bool):
-        raise OpsError(f"{FIELD}.hold = {spec.get('hold')!r}: true or false", f"{FIELD}.hold")
+    if spec.get("hold", False) not in (True, False, "always"):
+        raise OpsError(f"{FIELD}.hold = {spec.get('hold')!r}: true, false or \"always\"", f"{FIELD}.hold")
     if spec.get("miss", MISS_MODES[0]) not in MISS_MODES:
         raise OpsError(f"{FIELD}.miss = {spec.get('miss')!r}: one of {list(MISS_MODES)}", f"{FIELD}.miss")
     if spec.get("v", VERSION) != VERSION:
@@ -357,7 +359,7 @@ def parse_spec(spec: Any, namespace: str | None, store: HistoryStore | None = No
             raise OpsError(f"{FIELD}.base needs the server's history store", f"{FIELD}.base")
         store = HistoryStore(max_entries=1)
     return SglangRequest.of(store.resolve(spec), namespace, refuse_miss=spec.get("miss") == "refuse",
-                            hold=bool(spec.get("hold", False)))
+                            hold={True: "budget", "always": "always"}.get(spec.get("hold", False), ""))
 
 
 def split_extra_key(extra_key: str | None, lora_id: str | None) -> str | None:
@@ -387,20 +389,21 @@ def _spec_text(spec: dict) -> str:
 
 
 def request_fields(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
-                   base: HistoryState | None = None, miss: str | None = None, hold: bool = False) -> dict:
+                   base: HistoryState | None = None, miss: str | None = None, hold: bool | str = False) -> dict:
     """The `/generate` fields for a conversation (message token ids) and its cache ops: `input_ids` (physical) plus
     the history as a JSON string in `sampling_params.custom_params` (via="custom_params") or in `extra_key`
     (via="extra_key"). With `base` (the state of messages[:base.n], as the server remembers it), only the new
     messages and the ops at boundaries >= base.n - 1 are sent (the compact form). `miss` (one of `MISS_MODES`;
     None = the server's default, "reprefill") says what the server does when an op's pre-op state is not cached.
-    `hold`: the server holds the state this request leaves (bounded) until a request continues it with an op: a seal
-    (the state before the next turn's op, sent with 1 new token)."""
+    `hold`: the server holds the state this request leaves until a request continues it with an op: a seal (the
+    state before the next turn's op, sent with 1 new token); True within the server's hold budget, "always" past it
+    (a rebuild after a refusal)."""
     return build_request(messages, cache, via, base, miss, hold)[0]
 
 
 def build_request(messages: list[list[int]], cache: dict | None = None, via: str = "custom_params",
                   base: HistoryState | None = None, miss: str | None = None,
-                  hold: bool = False) -> tuple[dict, HistoryState, HistoryState | None]:
+                  hold: bool | str = False) -> tuple[dict, HistoryState, HistoryState | None]:
     """`request_fields`, the state the server will remember for the request (its `key` names it) and the one
     before its last message (remembered too, when the request sends more than one message)."""
     if via not in ("custom_params", "extra_key"):
@@ -410,8 +413,10 @@ def build_request(messages: list[list[int]], cache: dict | None = None, via: str
     state, penultimate, spec = _resolve_local(messages, cache, base)
     if miss is not None:
         spec["miss"] = miss
+    if hold not in (False, True, "always"):
+        raise ValueError(f"hold must be True, False or 'always', got {hold!r}")
     if hold:
-        spec["hold"] = True
+        spec["hold"] = hold
     text = _spec_text(spec)
     ids = list(_array(state.tokens))
     if via == "custom_params":
@@ -460,7 +465,7 @@ class SglangHistory:
         self._known: list[HistoryState] = []  # what the server remembers from the last main request
 
     def fields(self, messages: list[list[int]], cache: dict | None = None, full: bool = False,
-               hold: bool = False) -> dict:
+               hold: bool | str = False) -> dict:
         body, state, penultimate = self._build(messages, cache, full, hold)
         self._known = [s for s in (state, penultimate) if s is not None]
         return body
@@ -489,7 +494,8 @@ class SglangHistory:
         cache = cache or {}
         before = {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) < last},
                   "reposition": [i for i in (cache.get("reposition") or []) if int(i) < last]}
-        return build_request(messages[: last + 1], before, via=self.via, miss=self.miss, hold=True)[0]
+        # held past the budget: the request it is for was refused once and waits for it
+        return build_request(messages[: last + 1], before, via=self.via, miss=self.miss, hold="always")[0]
 
     def _base(self, messages: list[list[int]], cache: dict) -> HistoryState | None:
         known = [s for s in self._known if 0 < s.n < len(messages)]

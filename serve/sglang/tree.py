@@ -85,7 +85,7 @@ class _Walk:
     why: str = ""  # what made the walk inexact (logged with the re-prefill)
     pre_op_tokens: int = 0  # inexact because an op's pre-op state is not cached whole: that state's logical length
     fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
-    hold: bool = False  # the request asked to hold the state it leaves (`hold: true`: a seal)
+    hold: str = ""  # the request asked to hold the state it leaves: "budget" (a seal), "always" (a rebuild)
     held: list = field(default_factory=list)  # held pre-op states this walk continues with an op
 
     @property
@@ -458,7 +458,7 @@ class OpRadixCache(RadixCache):
         kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
         freed_end, node = self._insert_tail(req, walk, token_ids, kv_indices)
         if walk.hold:
-            self._hold(node, len(token_ids))
+            self._hold(node, len(token_ids), always=walk.hold == "always")
         protected = req.kv.cache_protected_len
         # the new slots of tokens the tree already held are duplicates; the tree owns everything else now
         self.token_to_kv_pool_allocator.free_segment(kv_indices[protected:freed_end], start_pos=protected)
@@ -504,19 +504,21 @@ class OpRadixCache(RadixCache):
             self._release_taken(key)
 
     # -- holds: a sealed pre-op state stays until the op request that continues it is released -----------------------
-    def _hold(self, node: TreeNode, tokens: int) -> None:
+    def _hold(self, node: TreeNode, tokens: int, always: bool = False) -> None:
         """A seal (`hold: true`) just cached the state an op request will continue. Under memory pressure sglang
         would evict it as soon as other requests need room, before that request is admitted (a cyclic pattern:
         least recently used is the next one needed), and the op request would then miss it. It is locked instead,
         until a walk continues it with an op (`_take_holds`: the lock passes to that request, released with it).
         Bounded: held tokens stay within `hold_budget`, first come first held (a seal that does not fit is not held:
         under FCFS admission the earliest held states are the next ones continued, so expiring them for a newer one
-        would evict what is needed first); a hold no request took within `hold_ttl` seconds is released (its client
-        went away)."""
+        would evict what is needed first). A rebuild (`always`: its request was refused once and waits for it) is held
+        past the budget (it still counts), so a rebuilt state is not evicted again before its request comes back. A
+        hold no request took within `hold_ttl` seconds is released (its client went away), and the scheduler hook
+        releases every hold when they keep the queue's head out (`refusal.abort_refused`)."""
         if node is self.root_node or node in self._holds:
             return
         self._expire_holds()
-        if self._held_tokens + tokens > self.hold_budget:
+        if not always and self._held_tokens + tokens > self.hold_budget:
             self.stats["hold_over_budget"] += 1
             return
         self.inc_lock_ref(node)
