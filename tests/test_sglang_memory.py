@@ -310,6 +310,7 @@ def test_holds_stay_within_their_budget_expire_and_die_with_their_request():
     s.cache.match_prefix(MatchPrefixParams(key=RadixKey(r.origin_input_ids, None, limit=len(r.origin_input_ids) - 1),
                                            req=r))  # matched while waiting, then aborted: never admitted
     assert s.cache.stats["hold_taken"] == 1 and s.cache._taken
+    assert s.cache.release_holds() == 0 and s.cache._taken  # untaken holds only, unless asked
     del r
     gc.collect()
     s.run(req([A]))  # any match sweeps holds of requests that no longer exist

@@ -823,11 +823,13 @@ def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
                         False, None) is AddReqResult.NO_TOKEN
     assert seen == [plain]
     aborted, released = [], []
-    idle = SimpleNamespace(batch_to_run=None, running_batch=SimpleNamespace(is_empty=lambda: True))
-    tree = SimpleNamespace(release_holds=lambda: released.append(1) or 1)
+    idle = SimpleNamespace(batch_to_run=None, running_batch=SimpleNamespace(is_empty=lambda: True,
+                                                                           batch_is_full=True))
+    tree = SimpleNamespace(release_holds=lambda taken: released.append(taken) or 1)
     scheduler = SimpleNamespace(waiting_queue=[plain, marked], abort_request=aborted.append, tree_cache=tree)
     assert abort_refused(lambda sch, running: idle, scheduler, None) is idle
-    assert released == [1]  # nothing ran or was admitted while requests wait: holds released
+    # nothing ran or was admitted while requests wait: holds released (taken ones too), sglang's full mark cleared
+    assert released == [True] and idle.running_batch.batch_is_full is False
     (abort,) = aborted
     assert abort.rid == "m" and abort.finished_reason["status_code"] == 409
     assert abort.finished_reason["err_type"] == MISS_ERR_TYPE and abort.finished_reason[MISS_TOKENS] == 42
@@ -835,7 +837,7 @@ def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
     assert getattr(marked, REFUSAL_ATTR) is None  # aborted once
     busy = SimpleNamespace(batch_to_run="batch", running_batch=SimpleNamespace(is_empty=lambda: True))
     abort_refused(lambda sch, running: busy, scheduler, None)
-    assert released == [1] and len(aborted) == 1  # a batch was admitted: holds stay; nothing more to abort
+    assert released == [True] and len(aborted) == 1  # a batch was admitted: holds stay; nothing more to abort
 
 
 def test_the_client_rebuilds_each_lost_state_then_resends():

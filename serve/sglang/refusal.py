@@ -61,9 +61,12 @@ def abort_refused(original, scheduler, *args, **kwargs):
     plan = original(scheduler, *args, **kwargs)
     release = getattr(scheduler.tree_cache, "release_holds", None)
     if release is not None and getattr(plan, "batch_to_run", None) is None and scheduler.waiting_queue \
-            and plan.running_batch.is_empty() and release():
-        # nothing runs and nothing was admitted: held seals (`OpRadixCache._hold`) must not be what keeps the head
-        # of the queue out, so they become evictable (their requests then miss and rebuild)
+            and plan.running_batch.is_empty() and release(taken=True):
+        # nothing runs and nothing was admitted: held seals (`OpRadixCache._hold`, taken or not: with nothing
+        # running every taker is waiting) must not be what keeps the head of the queue out. They become evictable
+        # (their requests then miss and rebuild), and sglang's "batch is full" mark, which it clears only when a
+        # running request finishes (none will), is cleared so the next step tries again
+        plan.running_batch.batch_is_full = False
         logger.warning("kvsteward: no request admissible while seals are held: holds released")
     refused = [r for r in scheduler.waiting_queue if refusal(r) is not None]
     if refused:

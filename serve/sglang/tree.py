@@ -534,13 +534,18 @@ class OpRadixCache(RadixCache):
             self.stats["hold_expired"] += 1
             self.dec_lock_ref(node)
 
-    def release_holds(self) -> int:
-        """Release every hold no request has taken yet (they become evictable): the number released."""
+    def release_holds(self, taken: bool = False) -> int:
+        """Release every hold no request has taken yet, and with `taken` the holds waiting requests took too (they
+        become evictable): the number released."""
         n = len(self._holds)
         while self._holds:
             node, (tokens, _) = self._holds.popitem(last=False)
             self._held_tokens -= tokens
             self.dec_lock_ref(node)
+        if taken:
+            for key in list(self._taken):
+                n += len(self._taken[key][1])
+                self._release_taken(key)
         return n
 
     def _take_holds(self, req: Any, nodes: list) -> None:
