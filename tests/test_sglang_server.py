@@ -230,10 +230,12 @@ def test_ten_turns_use_no_more_than_the_physical_row(served, reposition_every):
     assert "Mem Leak" not in log.read_text(errors="replace")
 
 
-def test_six_concurrent_sessions_fit_the_small_pool(served):
-    """Six agent sessions (plain drops), ten turns each, at once in the 1,200-slot pool: their full histories (~2,100
-    tokens) do not fit, their physical rows (~1,000) do. The dead KV of every drop is free on demand, so sglang retracts
-    nothing, the tree re-prefills nothing, and every turn's tokens equal the engine's."""
+@pytest.mark.parametrize("reposition_every", [0, 2])
+def test_six_concurrent_sessions_fit_the_small_pool(served, reposition_every):
+    """Six agent sessions, ten turns each, at once in the 1,200-slot pool (plain drops; with repositions, every second
+    drop also repositions): their full histories (~2,100 tokens) do not fit, their physical rows (~1,000) do. The dead
+    KV of every drop (and every superseded version) is free on demand, so sglang retracts nothing, the tree
+    re-prefills nothing, and every turn's tokens equal the engine's."""
     server, engine, log = served
     text = log.read_text(errors="replace")
     retracted, stats = retractions(text), tree_stats(text)
@@ -242,7 +244,7 @@ def test_six_concurrent_sessions_fit_the_small_pool(served):
 
     def worker(k):
         try:
-            session, client, outs = agent(40 + k, reposition_every=0), SglangHistory(), []
+            session, client, outs = agent(40 + k, reposition_every=reposition_every), SglangHistory(), []
             for _ in range(10):
                 if session.drops_next():
                     generate(server.url, client.fields(*session.seal()), n=1)

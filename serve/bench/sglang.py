@@ -366,7 +366,11 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
                         acc["seals"] += 1
                     if arm == "kvsteward_aux":
                         messages, cache = s.seal()
-                        post(aux.fork_request(messages, cache, aux_trigger), aux_tokens)
+                        fork = aux.fork_request(messages, cache, aux_trigger, miss=miss)
+                        _, refusals = generate_exact(post, history, fork, [*messages, list(aux_trigger)], cache,
+                                                     aux_tokens)
+                        with lock:
+                            acc["refusals"] += refusals
                         with lock:
                             acc["forks"] += 1
                 messages, cache = s.request()

@@ -25,16 +25,18 @@ _DEL = re.compile(r'\{\s*"del_cursors"\s*:\s*\[([0-9,\s]*)\]\s*\}')
 
 
 def fork_request(messages: list[list[int]], cache: dict | None, trigger: list[int], via: str = "custom_params",
-                 max_new_tokens: int = 64, close_bias: float = 0.0, closing_tokens: list[int] = ()) -> dict:
+                 max_new_tokens: int = 64, close_bias: float = 0.0, closing_tokens: list[int] = (),
+                 miss: str | None = None) -> dict:
     """`/generate` body for the aux thread: the main history up to the boundary (message token ids ending with the
     tool response; the main's prompt, which the tree holds as a prefix of its cached path) plus the trigger (the
     trigger message and the assistant opener, as token ids). `close_bias` is the engine's `AuxConfig.close_bias`, as
     SGLang's `logit_bias` on `closing_tokens` (`kvsteward.serve.manager.decode.closing_tokens(tokenizer)`); for an
-    adapter calibrated by `steward eval calibrate`, `kvsteward.models.adapter_meta(adapter)["close_bias"]`."""
+    adapter calibrated by `steward eval calibrate`, `kvsteward.models.adapter_meta(adapter)["close_bias"]`. `miss`:
+    as in `request_fields` ("refuse": a lost pre-op state is refused, for `ops.generate_exact` to rebuild)."""
     if close_bias and not closing_tokens:
         raise ValueError("close_bias needs the closing token ids "
                          "(kvsteward.serve.manager.decode.closing_tokens(tokenizer))")
-    body = request_fields([*messages, list(trigger)], cache, via=via)
+    body = request_fields([*messages, list(trigger)], cache, via=via, miss=miss)
     params = body.setdefault("sampling_params", {})
     params.update({"max_new_tokens": max_new_tokens, "temperature": 0.0})
     if close_bias:
