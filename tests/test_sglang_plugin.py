@@ -822,6 +822,12 @@ def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
     assert skip_refused(lambda adder, req, *a, **k: seen.append(req) or AddReqResult.NO_TOKEN, None, plain,
                         False, None) is AddReqResult.NO_TOKEN
     assert seen == [plain]
+    from kvsteward.serve.sglang.refusal import DEFER_ATTR
+
+    deferred = Req([5, 6], rid="d")
+    setattr(deferred, DEFER_ATTR, "op reposition at element 4 could not be materialized")
+    assert skip_refused(lambda adder, req, *a, **k: seen.append(req), None, deferred, False, None) \
+        is AddReqResult.NO_TOKEN and seen == [plain]  # waits in its place for room, like a request that does not fit
     aborted, released = [], []
     idle = SimpleNamespace(batch_to_run=None, running_batch=SimpleNamespace(is_empty=lambda: True,
                                                                            batch_is_full=True))

@@ -19,6 +19,10 @@ request (`REFUSAL_ATTR` = (logical tokens of the pre-op state, why)). Two AROUND
 The same hook is the safety valve of held seals (`OpRadixCache._hold`): when nothing runs and nothing was admitted
 while requests wait, every hold is released, so holds can delay admission but never block it.
 
+A request whose state is cached but whose reposition finds no room for its new version (the pool is full of running
+rows) is deferred instead (`DEFER_ATTR`): the adder hook answers `NO_TOKEN` for it, as sglang does for a request
+whose extend does not fit, so it waits in its place until a running request ends.
+
 A retracted request (it has output) is never refused: its anchor is pinned (`OpRadixCache._pin`) and a re-prefill
 there is counted. Requests without the mark are untouched, so with another `--radix-cache-backend` both hooks are
 inert.
@@ -33,6 +37,7 @@ from typing import Any
 from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS
 
 REFUSAL_ATTR = "kvsteward_refusal"
+DEFER_ATTR = "kvsteward_defer"
 ADD_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 logger = logging.getLogger(__name__)
@@ -54,6 +59,10 @@ def skip_refused(original, adder, req, *args, **kwargs):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.CONTINUE
+    if getattr(req, DEFER_ATTR, None) is not None:  # waits for room, in its place: as a request that does not fit
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.NO_TOKEN
     return original(adder, req, *args, **kwargs)
 
 

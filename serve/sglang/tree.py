@@ -47,7 +47,7 @@ from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import HistoryStore, SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
 from kvsteward.serve.sglang.positions import OFFSET_ATTR
-from kvsteward.serve.sglang.refusal import REFUSAL_ATTR
+from kvsteward.serve.sglang.refusal import DEFER_ATTR, REFUSAL_ATTR
 
 logger = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -84,6 +84,7 @@ class _Walk:
     exact: bool = True
     why: str = ""  # what made the walk inexact (logged with the re-prefill)
     pre_op_tokens: int = 0  # inexact because an op's pre-op state is not cached whole: that state's logical length
+    defer: bool = False  # inexact because a reposition found no room for its version (the pre-op state is cached)
     fork: bool = False  # a LoRA request (the aux manager): reads the base model's state, caches nothing of its own
     hold: str = ""  # the request asked to hold the state it leaves: "budget" (a seal), "always" (a rebuild)
     held: list = field(default_factory=list)  # held pre-op states this walk continues with an op
@@ -117,7 +118,7 @@ class OpRadixCache(RadixCache):
         self.stats = {"op_nodes": 0, "reprefill": 0, "refused": 0, "offset_requests": 0, "forks": 0,
                       "unknown_base": 0, "compactions": 0, "freed": 0, "compacted_miss": 0, "pinned": 0,
                       "refused_miss": 0, "held": 0, "hold_taken": 0, "hold_expired": 0,
-                      "hold_over_budget": 0}
+                      "hold_over_budget": 0, "deferred": 0}
         self._op_set: set[OpNode] = set()  # every op node in the tree
         # compacted op nodes (re-parented under a chain key): reachable only through this index, so it has no cap
         self._compacted: dict[tuple, OpNode] = {}
@@ -173,6 +174,7 @@ class OpRadixCache(RadixCache):
             self._walks.pop(id(params.req), None)
             setattr(params.req, OFFSET_ATTR, 0)
             setattr(params.req, REFUSAL_ATTR, None)
+            setattr(params.req, DEFER_ATTR, None)
         self._sweep_pins()
         self._expire_holds()
         hist = self._history(params)
@@ -203,6 +205,14 @@ class OpRadixCache(RadixCache):
                            "LoRA request (the prefix computed with the adapter, not shared)")
             return super().match_prefix(params)
         self.stats["forks"] += walk.fork
+        if not walk.exact and hist.refuse_miss and walk.defer and params.req is not None:
+            # the state is cached but its reposition's version finds no room: the request waits for room (as sglang
+            # holds back a request whose extend does not fit) instead of a re-prefill, which would need room too
+            self.stats["deferred"] += 1
+            setattr(params.req, DEFER_ATTR, walk.why)
+            self._log_stats()
+            return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=self.root_node,
+                               last_host_node=self.root_node, best_match_node=self.root_node)
         if not walk.exact and hist.refuse_miss and walk.pre_op_tokens and params.req is not None \
                 and not getattr(params.req, "output_ids", None):
             # refused before any work (`kvsteward.serve.sglang.refusal` aborts it from the waiting queue): the client
@@ -288,6 +298,7 @@ class OpRadixCache(RadixCache):
                     if child is None:
                         walk.exact = False
                         walk.why = f"op {e[0]} at element {k} could not be materialized"
+                        walk.defer = e[0] == "reposition"  # no room for its version now: room frees as requests end
                         return walk
                 walk.node = walk.anchor = child
                 walk.row = [child.kv_row]
