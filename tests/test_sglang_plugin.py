@@ -844,6 +844,15 @@ def test_refused_requests_are_skipped_and_aborted_from_the_waiting_queue():
     busy = SimpleNamespace(batch_to_run="batch", running_batch=SimpleNamespace(is_empty=lambda: True))
     abort_refused(lambda sch, running: busy, scheduler, None)
     assert released == [True] and len(aborted) == 1  # a batch was admitted: holds stay; nothing more to abort
+    # idle with nothing to release: a deferred request would wait forever, so it is not deferred again
+    from kvsteward.serve.sglang.refusal import NO_DEFER_ATTR
+
+    stalled = SimpleNamespace(batch_to_run=None, running_batch=SimpleNamespace(is_empty=lambda: True,
+                                                                              batch_is_full=True))
+    scheduler = SimpleNamespace(waiting_queue=[deferred], abort_request=aborted.append,
+                                tree_cache=SimpleNamespace(release_holds=lambda taken: 0))
+    abort_refused(lambda sch, running: stalled, scheduler, None)
+    assert getattr(deferred, NO_DEFER_ATTR) is True and stalled.running_batch.batch_is_full is False
 
 
 def test_the_client_rebuilds_each_lost_state_then_resends():

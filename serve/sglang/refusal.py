@@ -38,6 +38,7 @@ from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS
 
 REFUSAL_ATTR = "kvsteward_refusal"
 DEFER_ATTR = "kvsteward_defer"
+NO_DEFER_ATTR = "kvsteward_no_defer"  # deferred while nothing could free room: not deferred again
 ADD_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 logger = logging.getLogger(__name__)
@@ -70,13 +71,20 @@ def abort_refused(original, scheduler, *args, **kwargs):
     plan = original(scheduler, *args, **kwargs)
     release = getattr(scheduler.tree_cache, "release_holds", None)
     if release is not None and getattr(plan, "batch_to_run", None) is None and scheduler.waiting_queue \
-            and plan.running_batch.is_empty() and release(taken=True):
+            and plan.running_batch.is_empty():
         # nothing runs and nothing was admitted: held seals (`OpRadixCache._hold`, taken or not: with nothing
         # running every taker is waiting) must not be what keeps the head of the queue out. They become evictable
         # (their requests then miss and rebuild), and sglang's "batch is full" mark, which it clears only when a
-        # running request finishes (none will), is cleared so the next step tries again
-        plan.running_batch.batch_is_full = False
-        logger.warning("kvsteward: no request admissible while seals are held: holds released")
+        # running request finishes (none will), is cleared so the next step tries again. With no hold to release,
+        # a deferred request would wait for room no one will free: it is served the old way (re-prefilled, counted)
+        deferred = [r for r in scheduler.waiting_queue if getattr(r, DEFER_ATTR, None) is not None]
+        if release(taken=True):
+            plan.running_batch.batch_is_full = False
+            logger.warning("kvsteward: no request admissible while seals are held: holds released")
+        elif deferred:
+            for req in deferred:
+                setattr(req, NO_DEFER_ATTR, True)
+            plan.running_batch.batch_is_full = False
     refused = [r for r in scheduler.waiting_queue if refusal(r) is not None]
     if refused:
         from sglang.srt.managers.io_struct import AbortReq

@@ -47,7 +47,7 @@ from kvsteward.serve.engine.ops import OpsError
 from kvsteward.serve.sglang.ops import HistoryStore, SglangRequest, parse_request
 from kvsteward.serve.sglang.pool import check_pool, position_version
 from kvsteward.serve.sglang.positions import OFFSET_ATTR
-from kvsteward.serve.sglang.refusal import DEFER_ATTR, REFUSAL_ATTR
+from kvsteward.serve.sglang.refusal import DEFER_ATTR, NO_DEFER_ATTR, REFUSAL_ATTR
 
 logger = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -205,7 +205,8 @@ class OpRadixCache(RadixCache):
                            "LoRA request (the prefix computed with the adapter, not shared)")
             return super().match_prefix(params)
         self.stats["forks"] += walk.fork
-        if not walk.exact and hist.refuse_miss and walk.defer and params.req is not None:
+        if not walk.exact and hist.refuse_miss and walk.defer and params.req is not None \
+                and not getattr(params.req, NO_DEFER_ATTR, False):
             # the state is cached but its reposition's version finds no room: the request waits for room (as sglang
             # holds back a request whose extend does not fit) instead of a re-prefill, which would need room too
             self.stats["deferred"] += 1
