@@ -2,7 +2,10 @@
 
 python summarize.py [--out summary.json]   (run from this folder or give paths)
 """
-import glob, json, os, sys
+import glob
+import json
+import os
+import sys
 from collections import defaultdict
 
 here = os.path.dirname(os.path.abspath(__file__))
