@@ -313,8 +313,10 @@ def sglang_bench(model: str = typer.Option("smollm2", help=MODEL_HELP + " (a loc
     chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
     if not chosen or set(chosen) - set(bench.ARMS):
         raise typer.BadParameter(f"--arms {arms!r}: choose among {', '.join(bench.ARMS)}")
-    if miss not in ("refuse", "reprefill"):
-        raise typer.BadParameter(f"--miss {miss!r}: refuse or reprefill")
+    from kvsteward.serve.sglang.ops import MISS_MODES
+
+    if miss not in MISS_MODES:
+        raise typer.BadParameter(f"--miss {miss!r}: one of {', '.join(MISS_MODES)}")
     if workload not in bench.WORKLOADS:
         raise typer.BadParameter(f"--workload {workload!r}: one of {', '.join(bench.WORKLOADS)}")
     folder = models.resolve(model)

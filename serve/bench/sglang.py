@@ -348,11 +348,13 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
             acc["computed"] += int(meta.get("prompt_tokens", 0)) - int(meta.get("cached_tokens", 0))
         return out
 
-    def exact(history: SglangHistory, messages: list[list[int]], cache: dict | None, n: int,
-              hold: bool = False) -> dict:
-        out, refusals = generate_exact(post, history, history.fields(messages, cache, hold=hold), messages, cache, n)
+    def exact(history: SglangHistory, body: dict, messages: list[list[int]], cache: dict | None, n: int,
+              count: str | None = None) -> dict:
+        out, refusals = generate_exact(post, history, body, messages, cache, n)
         with lock:
             acc["refusals"] += refusals
+            if count:
+                acc[count] += 1
         return out
 
     def play(s: ReplaySession) -> None:
@@ -361,21 +363,15 @@ def play_arm(url: str, sessions: list[ReplaySession], max_new_tokens: int, arm: 
             while not s.done():
                 t0 = time.perf_counter()
                 if kv and s.drops_next():  # the state the drop follows must be cached whole
-                    exact(history, *s.seal(), 1, hold=True)  # held until the op request continues it
-                    with lock:
-                        acc["seals"] += 1
+                    messages, cache = s.seal()  # held until the op request continues it
+                    exact(history, history.fields(messages, cache, hold=True), messages, cache, 1, "seals")
                     if arm == "kvsteward_aux":
-                        messages, cache = s.seal()
                         fork = aux.fork_request(messages, cache, aux_trigger, miss=miss)
-                        _, refusals = generate_exact(post, history, fork, [*messages, list(aux_trigger)], cache,
-                                                     aux_tokens)
-                        with lock:
-                            acc["refusals"] += refusals
-                        with lock:
-                            acc["forks"] += 1
+                        exact(history, fork, [*messages, list(aux_trigger)], cache, aux_tokens, "forks")
                 messages, cache = s.request()
                 if kv:
-                    out = exact(history, messages, cache if s.ops else None, max_new_tokens)
+                    cache = cache if s.ops else None
+                    out = exact(history, history.fields(messages, cache), messages, cache, max_new_tokens)
                 else:
                     out = post({"input_ids": request_fields(messages, cache if s.ops else None)["input_ids"]},
                                max_new_tokens)
@@ -521,6 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     from kvsteward import models
+    from kvsteward.serve.sglang.ops import MISS_MODES
 
     p = argparse.ArgumentParser(description=bench_sglang.__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -538,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--aux-tokens", type=int, default=8)
     p.add_argument("--no-op", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--miss", default="refuse", choices=["refuse", "reprefill"])
+    p.add_argument("--miss", default="refuse", choices=list(MISS_MODES))
     p.add_argument("--log-dir", default="")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

@@ -426,12 +426,16 @@ def build_request(messages: list[list[int]], cache: dict | None = None, via: str
     return body, state, penultimate
 
 
+def _ops_between(cache: dict | None, lo: int, hi: float = float("inf")) -> dict:
+    """The ops of `cache` at boundaries lo <= b < hi."""
+    cache = cache or {}
+    return {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if lo <= int(k) < hi},
+            "reposition": [i for i in (cache.get("reposition") or []) if lo <= int(i) < hi]}
+
+
 def _new_ops(cache: dict | None, first: int) -> dict:
     """The ops of `cache` at boundaries >= first - 1 (what a compact request continuing messages[:first] sends)."""
-    cache = cache or {}
-    lowest = max(0, first - 1)
-    return {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) >= lowest},
-            "reposition": [i for i in (cache.get("reposition") or []) if int(i) >= lowest]}
+    return _ops_between(cache, max(0, first - 1))
 
 
 def _resolve_local(messages: list[list[int]], cache: dict | None,
@@ -491,9 +495,7 @@ class SglangHistory:
             raise OpsError(f"the server named a pre-op state of {tokens} tokens, which ends at no message boundary "
                            f"of this history ({ends[-8:]} ...)", f"{FIELD}.miss")
         last = ends.index(tokens)
-        cache = cache or {}
-        before = {"drop": {k: v for k, v in (cache.get("drop") or {}).items() if int(k) < last},
-                  "reposition": [i for i in (cache.get("reposition") or []) if int(i) < last]}
+        before = _ops_between(cache, 0, last)
         # held past the budget: the request it is for was refused once and waits for it
         return build_request(messages[: last + 1], before, via=self.via, miss=self.miss, hold="always")[0]
 

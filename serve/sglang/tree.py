@@ -212,8 +212,7 @@ class OpRadixCache(RadixCache):
             self.stats["deferred"] += 1
             setattr(params.req, DEFER_ATTR, walk.why)
             self._log_stats()
-            return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=self.root_node,
-                               last_host_node=self.root_node, best_match_node=self.root_node)
+            return self._no_match()
         if not walk.exact and hist.refuse_miss and walk.pre_op_tokens and params.req is not None \
                 and not getattr(params.req, "output_ids", None):
             # refused before any work (`kvsteward.serve.sglang.refusal` aborts it from the waiting queue): the client
@@ -223,8 +222,7 @@ class OpRadixCache(RadixCache):
             logger.info("kvsteward: refused (miss=refuse): %s; the client re-sends the first %d tokens' state",
                         walk.why, walk.pre_op_tokens)
             self._log_stats()
-            return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=self.root_node,
-                               last_host_node=self.root_node, best_match_node=self.root_node)
+            return self._no_match()
         if not walk.exact:
             # served as plain tokens: the physical ids re-prefilled at row positions 0..n-1 and cached as plain
             # tokens (a plain-drop history is then served as if repositioned; nothing gapped enters the tree)
@@ -253,6 +251,11 @@ class OpRadixCache(RadixCache):
         self._log_stats()
         return MatchResult(device_indices=row, last_device_node=walk.node, last_host_node=walk.node,
                            best_match_node=walk.node)
+
+    def _no_match(self) -> MatchResult:
+        """What a refused or deferred request matches: nothing (it is not admitted this round)."""
+        return MatchResult(device_indices=_EMPTY.to(self.device), last_device_node=self.root_node,
+                           last_host_node=self.root_node, best_match_node=self.root_node)
 
     def walk(self, hist: SglangRequest, key: RadixKey, limit: int) -> _Walk:
         """Follow `hist` from the root, creating op nodes whose parent state is fully cached. The last token segment
@@ -538,22 +541,23 @@ class OpRadixCache(RadixCache):
         self._held_tokens += tokens
         self.stats["held"] += 1
 
+    def _release_oldest_hold(self) -> None:
+        node, (tokens, _) = self._holds.popitem(last=False)
+        self._held_tokens -= tokens
+        self.dec_lock_ref(node)
+
     def _expire_holds(self) -> None:
         deadline = time.monotonic() - self.hold_ttl
         while self._holds and next(iter(self._holds.values()))[1] < deadline:
-            node, (tokens, _) = self._holds.popitem(last=False)
-            self._held_tokens -= tokens
             self.stats["hold_expired"] += 1
-            self.dec_lock_ref(node)
+            self._release_oldest_hold()
 
     def release_holds(self, taken: bool = False) -> int:
         """Release every hold no request has taken yet, and with `taken` the holds waiting requests took too (they
         become evictable): the number released."""
         n = len(self._holds)
         while self._holds:
-            node, (tokens, _) = self._holds.popitem(last=False)
-            self._held_tokens -= tokens
-            self.dec_lock_ref(node)
+            self._release_oldest_hold()
         if taken:
             for key in list(self._taken):
                 n += len(self._taken[key][1])
