@@ -230,12 +230,11 @@ def test_ten_turns_use_no_more_than_the_physical_row(served, reposition_every):
     assert "Mem Leak" not in log.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("reposition_every", [0])
-def test_six_concurrent_sessions_fit_the_small_pool(served, reposition_every):
+def test_six_concurrent_sessions_fit_the_small_pool(served):
     """Six agent sessions (plain drops), ten turns each, at once in the 1,200-slot pool: their full histories (~2,100
     tokens) do not fit, their physical rows (~1,000) do. The dead KV of every drop is free on demand, so sglang
     retracts nothing, the tree re-prefills nothing, and every turn's tokens equal the engine's. (With repositions
-    every second drop, `reposition_every=2` with refuse + hold, 11 of 60 turns are still re-prefilled after 180
+    every second drop, and refuse + hold + `generate_exact`, 11 of 60 turns are still re-prefilled after 180
     refusals: issue 43's notes.)"""
     server, engine, log = served
     text = log.read_text(errors="replace")
@@ -243,20 +242,14 @@ def test_six_concurrent_sessions_fit_the_small_pool(served, reposition_every):
     played: dict[int, list] = {}
     errors: list[BaseException] = []
 
-    def send(body, n):
-        return generate(server.url, body, n=n, timeout=900)
-
     def worker(k):
         try:
-            session, outs = agent(40 + k, reposition_every=reposition_every), []
-            client = SglangHistory(miss="refuse" if reposition_every else None)
+            session, client, outs = agent(40 + k, reposition_every=0), SglangHistory(), []
             for _ in range(10):
                 if session.drops_next():
-                    messages, cache = session.seal()
-                    generate_exact(send, client, client.fields(messages, cache, hold=bool(reposition_every)),
-                                   messages, cache, 1)
+                    generate(server.url, client.fields(*session.seal()), n=1)
                 messages, cache = session.request()
-                out, _ = generate_exact(send, client, client.fields(messages, cache), messages, cache, 6)
+                out = generate(server.url, client.fields(messages, cache), n=6, timeout=900)
                 session.reply(out["output_ids"])
                 outs.append((messages, cache, out))
             played[k] = outs
