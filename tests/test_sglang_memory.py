@@ -283,6 +283,48 @@ def test_a_held_seal_survives_eviction_until_its_op_request_is_released():
     assert_all_returned(s)
 
 
+def test_a_reposition_with_no_room_for_its_version_waits_instead_of_a_reprefill():
+    """`miss: "refuse"`: the pre-op state is cached but the pool has no room for the reposition's version (every
+    other slot is in flight, and freeing the drop's dead tokens is not enough). The request is deferred: it matches
+    nothing, allocates nothing, and is marked (the batch hook holds it back, `refusal.py`). Once room frees, the
+    same request is served exactly. A request the hook has given up on (`NO_DEFER_ATTR`) is re-prefilled, counted,
+    as before."""
+    from kvsteward.serve.sglang.refusal import DEFER_ATTR, NO_DEFER_ATTR
+
+    s = server(size=32)
+    s.run(req([A, B, C]))
+    # in flight: every other slot. B's 4 dead slots (freed on demand) are fewer than the version's 5
+    blocker = SimReq(list(range(30, 30 + 32 - len(A + B + C))))
+    s.start(blocker)
+    free = s.alloc.available_size()
+    assert free == 0
+
+    def refusing(**kw) -> SimReq:
+        body = request_fields([A, B, C, D], {"drop": {"2": [1]}, "reposition": [2]}, miss="refuse")
+        return SimReq(body["input_ids"], body["sampling_params"]["custom_params"], **kw)
+
+    def match(r: SimReq):
+        ids = r.origin_input_ids
+        return s.cache.match_prefix(MatchPrefixParams(key=RadixKey(ids, None, limit=len(ids) - 1), req=r))
+
+    r = refusing()
+    m = match(r)
+    assert "reposition" in getattr(r, DEFER_ATTR) and len(m.device_indices) == 0
+    assert s.cache.stats["deferred"] == 1 and s.cache.stats["reprefill"] == 0
+    assert s.alloc.available_size() == free + len(B)  # nothing allocated; the looking freed the drop's dead tokens
+    s.check()
+    given_up = refusing(rid="g")
+    setattr(given_up, NO_DEFER_ATTR, True)
+    match(given_up)
+    assert getattr(given_up, DEFER_ATTR) is None and s.cache.stats["reprefill"] == 1
+    s.finish(blocker)  # room frees (its tokens are cached, unlocked)
+    out = s.start(r)
+    assert getattr(r, DEFER_ATTR) is None and out.prefix_len == len(A + C) and s.cache.stats["reprefill"] == 1
+    assert_truth(s, r)
+    s.finish(r)
+    assert_all_returned(s)
+
+
 def test_holds_stay_within_their_budget_expire_and_die_with_their_request():
     """Held tokens stay within `hold_budget`, first come first held (a seal that does not fit is not held), so holds
     never fill the pool, except rebuilds (`hold: "always"`, counted); a hold nobody took within `hold_ttl` is

@@ -897,3 +897,72 @@ def test_the_client_rebuilds_each_lost_state_then_resends():
     sent.clear()
     out, refusals = generate_exact(send, history, body, messages, cache, 4, max_refusals=0)
     assert refusals == 1 and out["output_ids"] == [9] and len(sent) == 2
+
+
+def test_the_manager_s_fork_rebuilds_a_lost_state_before_it_decides(monkeypatch):
+    """`SglangManager.decide` with a history that refuses a lost pre-op state: the refusal is not read as a decision
+    (it has no output); the main's state is rebuilt (the base model's request: no adapter, held, 1 token), the fork
+    is sent again unchanged, and its list is the decision. Past `max_refusals` the fork keeps its adapter, logit
+    processor and sampling fields (only its history goes in the full form with `miss: "reprefill"`)."""
+    import requests
+    from transformers import AutoTokenizer
+
+    from kvsteward.models import resolve
+    from kvsteward.serve.manager.decode import _candidates
+    from kvsteward.serve.sglang.manager import AUX_FIELD, SglangManager
+    from kvsteward.serve.sglang.ops import MISS_ERR_TYPE, MISS_TOKENS, SglangHistory, generate_exact
+    from kvsteward.synth.chat import message_token_ids
+
+    loads, dumps = json.loads, json.dumps
+
+    tok = AutoTokenizer.from_pretrained(resolve("smollm2"))
+    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Find ticket 7."},
+            {"role": "assistant", "content": "Searching."}, {"role": "tool", "content": "[cursor 3] ticket 7: x"},
+            {"role": "assistant", "content": "Next."}, {"role": "tool", "content": "[cursor 5] roster: Ann"},
+            {"role": "assistant", "content": "Done."}, {"role": "tool", "content": "[cursor 7] log: ok"}]
+    ids = message_token_ids(tok, msgs)
+    cache = {"drop": {"5": [3]}}  # the main dropped cursor 3's response after message 5
+    pre_op = sum(len(m) for m in ids[:6])
+    cand, texts = _candidates(tok)
+    reply = [cand[texts.index(x)] for x in ("5", "]", "}")] + [tok.eos_token_id]  # {"del_cursors": [5]}
+    sent, lost = [], [True]
+
+    def post(url, json, timeout):  # noqa: A002 - requests' own keyword
+        body, spec = json, loads(json["sampling_params"]["custom_params"]["kvsteward"])
+        sent.append(body)
+        out = {"output_ids": reply, "meta_info": {"finish_reason": {"type": "stop"}}}
+        if lost[0] and spec.get("miss") == "refuse" and "lora_path" in body:
+            out = {"output_ids": [], "meta_info": {"finish_reason": {
+                "type": "abort", "err_type": MISS_ERR_TYPE, MISS_TOKENS: pre_op}}}
+        elif "lora_path" not in body:  # the rebuild
+            lost[0] = False
+        resp = requests.models.Response()
+        resp.status_code, resp._content = 200, dumps(out).encode()
+        return resp
+
+    monkeypatch.setattr(requests, "post", post)
+    mgr = SglangManager(tok, lora="mgr")
+    history = SglangHistory(miss="refuse")
+    history.fields(ids, cache)  # the main's request: the fork continues its base
+    decision = mgr.decide("http://fake", history, msgs, ids, cache, [3, 5, 7])
+    assert decision.del_cursors == [5] and mgr.refusals == 1 and len(sent) == 3
+    assert sent[0] == sent[2] and sent[0]["lora_path"] == "mgr" and "custom_logit_processor" in sent[0]
+    rebuild = json.loads(sent[1]["sampling_params"]["custom_params"]["kvsteward"])
+    assert "lora_path" not in sent[1] and sent[1]["sampling_params"]["max_new_tokens"] == 1
+    assert rebuild["hold"] == "always" and len(rebuild["messages"]) == 6 and rebuild["cache"]["drop"] == {}
+
+    # the fallback keeps every field but the history's
+    fork = mgr.fork_body(history, msgs, ids, cache, [3, 5, 7])
+    fork_msgs = [*ids, mgr.trigger_ids(msgs, [3, 5, 7])]
+    lost[0], sent[:] = True, []
+
+    def send(body, n):
+        return post("http://fake", body, 1).json()
+
+    out, refusals = generate_exact(send, history, fork, fork_msgs, cache, mgr.max_tokens + 1, max_refusals=0)
+    last = sent[-1]
+    spec = json.loads(last["sampling_params"]["custom_params"]["kvsteward"])
+    assert refusals == 1 and spec["miss"] == "reprefill" and "base" not in spec
+    assert last["lora_path"] == "mgr" and last["custom_logit_processor"] == fork["custom_logit_processor"]
+    assert last["sampling_params"]["custom_params"][AUX_FIELD] == fork["sampling_params"]["custom_params"][AUX_FIELD]
+    assert last["input_ids"] == fork["input_ids"]

@@ -137,6 +137,7 @@ class SglangManager:
     # a fitted rule decides, no request (`manager.rule`: `for_choice`); or the stack (`manager.stack.StackManager`):
     # the per-response request gives P(no), the head decides
     rule: RuleManager | StackManager | None = None
+    refusals: int = 0  # lost pre-op states rebuilt before a fork was served (`_post`)
     _eos: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -245,9 +246,8 @@ class SglangManager:
         """The per-response decision on the server at `url`: each open response's P(no) (the two answers'
         log-probabilities at its slot, softmaxed against each other, as `manager.scores.needless` does with the
         engine's logits), the deletable ones at or above the threshold (`manager.scores.deletions`)."""
-        import requests
 
-        from kvsteward.serve.manager.scores import deletions
+        from kvsteward.serve.manager.scores import deletions, trigger_ids
         from kvsteward.synth.traces.hindsight import ANSWERS
         from kvsteward.synth.traces.tokens import answer_ids
 
@@ -255,9 +255,10 @@ class SglangManager:
         if built is None:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
         body, positions = built
-        r = requests.post(f"{url}/generate", json=body, timeout=timeout)
-        r.raise_for_status()
-        rows = r.json()["meta_info"]["input_token_ids_logprobs"]
+        trigger = trigger_ids(self.tokenizer, messages, open_cursors)[0]
+        out = self._post(url, body, history, self._fork_input(message_ids, cache, None, messages, trigger=trigger),
+                         timeout)
+        rows = out["meta_info"]["input_token_ids_logprobs"]
         start = body["logprob_start_len"]
         yes, no = answer_ids(self.tokenizer, ANSWERS)
         p_no = {}
@@ -272,11 +273,8 @@ class SglangManager:
                      open_cursors: list[int], tail: list[int] = (), trigger: list[int] | None = None) -> dict:
         """The fork's input (the main's messages and ops, the trigger, the opener, `tail`; or `trigger` as given)
         naming the adapter."""
-        trigger = self.trigger_ids(messages, open_cursors) + list(tail) if trigger is None else trigger
-        if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
-            msgs, ops = [message_ids[0], trigger], None
-        else:
-            msgs, ops = [*message_ids, trigger], cache
+        msgs, ops = self._fork_input(message_ids, cache, open_cursors if trigger is None else None, messages,
+                                     tail, trigger)
         if history is not None and self.aux_context != "first":
             body = history.fork_fields(msgs, ops)
         else:
@@ -286,6 +284,39 @@ class SglangManager:
         if self.lora is not None:
             body["lora_path"] = self.lora
         return body
+
+    def _fork_input(self, message_ids: list[list[int]], cache: dict | None, open_cursors: list[int] | None,
+                    messages: list[dict], tail: list[int] = (), trigger: list[int] | None = None
+                    ) -> tuple[list[list[int]], dict | None]:
+        """The fork's messages (token ids, the trigger last) and ops."""
+        trigger = self.trigger_ids(messages, open_cursors) + list(tail) if trigger is None else trigger
+        if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
+            return [message_ids[0], trigger], None
+        return [*message_ids, trigger], cache
+
+    def _post(self, url: str, body: dict, history, fork_input: tuple[list[list[int]], dict | None],
+              timeout: float) -> dict:
+        """One fork request; `fork_input` is its (messages, ops) from `_fork_input`. With a history that refuses a
+        lost pre-op state (`SglangHistory(miss="refuse")`) a refusal is not a decision: the main's state is rebuilt
+        by the base model and the fork sent again (`ops.generate_exact`; counted in `refusals`)."""
+        import requests
+
+        from kvsteward.serve.sglang.ops import generate_exact
+
+        def send(b: dict, n: int) -> dict:
+            params = b.setdefault("sampling_params", {})
+            params.setdefault("max_new_tokens", n)
+            params.setdefault("temperature", 0.0)
+            r = requests.post(f"{url}/generate", json=b, timeout=timeout)
+            r.raise_for_status()
+            return r.json()
+
+        if history is None or getattr(history, "miss", None) != "refuse" or self.aux_context == "first":
+            return send(body, 1)
+        msgs, ops = fork_input
+        out, refusals = generate_exact(send, history, body, msgs, ops, body["sampling_params"]["max_new_tokens"])
+        self.refusals += refusals
+        return out
 
     def decision(self, output_ids: list[int]) -> AuxDecision:
         """The decision in a fork's output tokens (the constrained list, then EOS): as `_constrained_steps` returns
@@ -307,7 +338,6 @@ class SglangManager:
     def decide(self, url: str, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
                open_cursors: list[int], timeout: float = 600) -> AuxDecision:
         """Run the fork on the server at `url` and return the decision."""
-        import requests
 
         if self.rule is not None and self.rule.needs_model:  # the stack: the adapter's P(no), then the head
             read = self.scores_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
@@ -321,16 +351,14 @@ class SglangManager:
         body = self.fork_body(history, messages, message_ids, cache, open_cursors)
         if body is None:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
-        r = requests.post(f"{url}/generate", json=body, timeout=timeout)
-        r.raise_for_status()
-        return self.decision(r.json()["output_ids"])
+        out = self._post(url, body, history, self._fork_input(message_ids, cache, open_cursors, messages), timeout)
+        return self.decision(out["output_ids"])
 
     def confident_decision(self, url: str, history, messages: list[dict], message_ids: list[list[int]],
                            cache: dict | None, open_cursors: list[int], timeout: float = 600,
                            prune: float = PRUNE, max_forwards: int = MAX_BRANCH_FORWARDS) -> AuxDecision:
         """The confidence rule on the server at `url`: `branch_walk` driven by one request per branch state (a
         state's handle is its tail of tokens after the opener)."""
-        import requests
 
         deletable = self.deletable(messages, open_cursors)
         if not deletable:
@@ -339,9 +367,9 @@ class SglangManager:
 
         def logits(tail: list[int]) -> torch.Tensor:
             body = self.branch_body(history, messages, message_ids, cache, open_cursors, tail)
-            r = requests.post(f"{url}/generate", json=body, timeout=timeout)
-            r.raise_for_status()
-            (row,) = r.json()["meta_info"]["output_token_ids_logprobs"]
+            out = self._post(url, body, history, self._fork_input(message_ids, cache, open_cursors, messages, tail),
+                             timeout)
+            (row,) = out["meta_info"]["output_token_ids_logprobs"]
             logprob = {int(tid): float(lp) for lp, tid, *_ in row}
             return torch.tensor([logprob[t] for t in cand], dtype=torch.float32)
 

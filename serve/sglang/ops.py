@@ -47,6 +47,7 @@ The history becomes token-level elements, the key of the op-aware tree (`kvstewa
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from array import array
@@ -514,6 +515,20 @@ class SglangHistory:
         return None
 
 
+def _reprefill(body: dict, messages: list[list[int]], cache: dict | None, via: str) -> dict:
+    """`body` in the full form with `miss: "reprefill"`: its history fields replaced, every other field kept (the
+    sampling parameters, an aux fork's adapter, logit processor and log-probability fields)."""
+    full = build_request(messages, cache, via=via, miss="reprefill")[0]
+    out = copy.deepcopy(body)
+    out["input_ids"] = full["input_ids"]
+    if via == "custom_params":
+        out.setdefault("sampling_params", {}).setdefault("custom_params", {})[FIELD] = \
+            full["sampling_params"]["custom_params"][FIELD]
+    else:
+        out["extra_key"] = full["extra_key"]
+    return out
+
+
 def refused_pre_op(out: dict) -> int | None:
     """The logical length of the pre-op state a `/generate` response says it was refused for (`miss: "refuse"`), or
     None when the request was served."""
@@ -542,6 +557,5 @@ def generate_exact(send: Callable[[dict, int], dict], history: SglangHistory, bo
             continue
         refusals += 1
         if refusals > max_refusals:
-            fallback = build_request(messages, cache, via=history.via, miss="reprefill")[0]
-            return send(fallback, max_new_tokens), refusals
+            return send(_reprefill(body, messages, cache, history.via), max_new_tokens), refusals
         stack.append((history.pre_op_fields(messages, cache, tokens), 1))
