@@ -86,6 +86,12 @@ def test_journal_from_another_config_is_refused(setup, tmp_path):
         ls.run(engine, sessions, other, journal=journal)
     with pytest.raises(ValueError, match="no finished"):
         ls.run(engine, sessions, cfg, journal=tmp_path / "empty.jsonl", play_missing=False)
+    # bfloat16 pairs are another experiment; float32 journals written before the option still read
+    with pytest.raises(ValueError, match="written with config"):
+        ls.run(engine, sessions, ls.RunConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), journal=journal)
+    assert "dtype" not in ls._journal_key(cfg)
+    with pytest.raises(ValueError, match="dtype"):
+        ls.RunConfig(dtype="float16")
 
 
 def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(setup, tmp_path, monkeypatch):

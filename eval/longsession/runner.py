@@ -32,6 +32,7 @@ from kvsteward.synth.longsession.schema import Probe, Session
 
 DEFAULT_ARMS = ("h2o", "retention-only", "positions-only", "pace")
 BLUEPRINT_GRANULARITIES = ("facts", "messages")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -52,8 +53,13 @@ class RunConfig:
     # who made the plan the foresight arms follow: "oracle" (the generator's record) or a planner of
     # `synth.longsession.planner` (its plans are passed to `run` as `plans`)
     planner: str = "oracle"
+    # the model's weights and K/V: "float32", or "bfloat16" (AVX512-BF16 / tensor-core matmuls; reference keys for
+    # re-rotation stay fp32). The CLI loads the engine in it; the journal keeps the two apart
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.blueprint not in BLUEPRINT_GRANULARITIES:
             raise ValueError(f"blueprint granularity must be one of {BLUEPRINT_GRANULARITIES}, got {self.blueprint!r}")
         if self.planner not in PLANNERS:
@@ -274,6 +280,8 @@ def _journal_key(cfg: RunConfig) -> dict:
         del key["blueprint"]
     if key["planner"] == "oracle":  # likewise
         del key["planner"]
+    if key["dtype"] == "float32":  # likewise
+        del key["dtype"]
     return key
 
 

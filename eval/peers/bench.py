@@ -4,15 +4,15 @@ same RULER prompts (the same token ids), in one run.
 Protocol (kvpress's pipeline, both sides): the context is prefilled and compressed once to `int(n * (1 - ratio))`
 tokens, then the question (with RULER's answer prefix) is appended and the answer decoded greedily with nothing more
 evicted. kvpress runs in its own virtualenv (`eval/peers/kvpress_side.py`, transformers < 5.3); it also writes the
-exact ids its pipeline built, and the engine replays those. Differences that stay: kvpress selects per layer and KV
-head (each head keeps its own tokens), the engine one set of tokens for all layers and heads; kvpress's SnapKV uses a
-64-token window and average pooling, the engine's a 32-token window and max pooling; the engine protects 4 sinks and
-the 64 most recent tokens in every policy but streaming's (sinks + recent window only), kvpress only SnapKV's window
-and StreamingLLM's sinks. Pairs: snapkv ↔ SnapKVPress, tova ↔ TOVAPress, streaming ↔ StreamingLLMPress,
-h2o ↔ ObservedAttentionPress (attention received, summed vs averaged over queries); KnormPress has no engine
-counterpart. KVzap is not run: its scorer is a surrogate trained per model (kvpress's `kvzap/train.py` on a
-dataset from the Hub), and none exists for SmolLM2.
-"""
+exact ids its pipeline built, and the engine replays those. Selection: kvpress selects per layer and KV head (each
+head keeps its own tokens); the engine either one set of tokens for all layers and heads (`snapkv`, ...) or per
+layer and KV head too (`snapkv-heads`, ...: `SessionConfig.per_head`, masked per head). Differences that stay:
+kvpress's SnapKV uses a 64-token window and average pooling, the engine's a 32-token window and max pooling; the
+engine protects 4 sinks and the 64 most recent tokens in every policy but streaming's (sinks + recent window only),
+kvpress only SnapKV's window and StreamingLLM's sinks. Pairs: snapkv ↔ SnapKVPress, tova ↔ TOVAPress, streaming ↔
+StreamingLLMPress, h2o ↔ ObservedAttentionPress (attention received, summed vs averaged over queries); KnormPress
+has no engine counterpart. KVzap is not run: its scorer is a surrogate trained per model (kvpress's `kvzap/train.py`
+on a dataset from the Hub), and none exists for SmolLM2."""
 
 from __future__ import annotations
 
@@ -29,8 +29,12 @@ from kvsteward.eval.peers import ruler
 from kvsteward.paths import side_python
 
 PRESSES = ("snapkv", "tova", "streaming", "observed", "knorm")
-POLICIES = ("snapkv", "tova", "streaming", "h2o")
-PAIRS = {"snapkv": "snapkv", "tova": "tova", "streaming": "streaming", "h2o": "observed"}
+# `-heads`: the engine's per-head selection (`SessionConfig.per_head`: each layer and KV head keeps its own top-B,
+# as kvpress's presses do); the plain names select one set of tokens for all layers and heads
+POLICIES = ("snapkv", "tova", "streaming", "h2o", "snapkv-heads", "tova-heads", "h2o-heads")
+PAIRS = {"snapkv": "snapkv", "tova": "tova", "streaming": "streaming", "h2o": "observed",
+         "snapkv-heads": "snapkv", "tova-heads": "tova", "h2o-heads": "observed"}
+HEADS = "-heads"
 Progress = Callable[[str], None]
 
 
@@ -47,7 +51,8 @@ def kept_tokens(n: int, ratio: float) -> int:
 def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: tuple[float, ...],
                max_new_tokens: int, progress: Progress | None = None) -> list[dict]:
     """The engine's policies on the prompts kvpress built: [{"task", "policy", "ratio", "answer", "kept",
-    "wall_s"}]; `full` is the uncompressed cache."""
+    "resident", "wall_s"}]; `full` is the uncompressed cache. `kept` is per head (what every head keeps: with
+    per-head selection, `-heads`, the slots resident are their union, `resident`)."""
     tok = engine.tokenizer
     stop = tuple(i for i in [tok.eos_token_id] if i is not None)
     rows = []
@@ -56,12 +61,15 @@ def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: 
         for name in ("full", *policies):
             for ratio in (ratios if name != "full" else (0.0,)):
                 t0 = time.perf_counter()
+                per_head = name.endswith(HEADS)
                 if name == "full":
                     s = engine.session("full", chunk=len(ctx))
                 else:
-                    s = engine.session(name, budget=kept_tokens(len(ctx), ratio), chunk=len(ctx))
+                    s = engine.session(name.removesuffix(HEADS), budget=kept_tokens(len(ctx), ratio), chunk=len(ctx),
+                                       per_head=per_head)
                 s.append(ctx, kind="user")
-                kept = s.table.n
+                resident = s.table.n
+                kept = int(s.table.field("head_alive").sum(dim=0).max()) if per_head else resident
                 # compress once, as kvpress does: nothing is evicted after the context (the budget now holds the
                 # question and the answer)
                 s.config.budget = None if name == "full" else kept + len(q) + max_new_tokens
@@ -70,7 +78,7 @@ def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: 
                 wall = time.perf_counter() - t0
                 answer = tok.decode(out, skip_special_tokens=True)
                 rows.append({"task": task, "policy": name, "ratio": ratio, "answer": answer, "kept": kept,
-                             "wall_s": wall})
+                             "resident": resident, "wall_s": wall})
                 if progress:
                     progress(f"engine {task} {name} {ratio}: {wall:.1f} s, kept {kept}: {answer!r}")
     return rows
@@ -148,9 +156,12 @@ def bench_peers(model: str = "smollm2", tasks: tuple[str, ...] = tuple(ruler.TAS
 def table_rows(result: dict) -> list[tuple[str, str, str, str]]:
     """(method, ratio, accuracy, s/prompt) rows for the CLI's table: each pair's kvpress press beside its engine
     policy, then kvpress's unpaired presses, then the uncompressed caches."""
-    rows = []
+    rows, shown = [], set()
     for pair in result["pairs"]:
         for side, name in (("kvpress", pair["kvpress"]), ("engine", pair["engine"])):
+            if (side, name) in shown:  # a press paired with both engine selections is shown once
+                continue
+            shown.add((side, name))
             for ratio, c in result[side].get(name, {}).items():
                 rows.append((f"{side}: {name}", ratio, f"{c['accuracy']:.2f}", f"{c['wall_s']:.2f}"))
     paired = {p["kvpress"] for p in result["pairs"]}

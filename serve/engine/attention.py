@@ -8,7 +8,9 @@ among new ones", and — only when the policy asks — accumulates the attention
 - `window` (SnapKV vote, TOVA): SDPA for the output, and the probabilities of the last `window` queries only.
 
 Scores are averaged over query heads and summed over layers, so every layer/head votes for one shared slot score
-(slots are evicted for all layers at once; a ragged per-head cache would save nothing on CPU).
+(slots are evicted for all layers at once; a ragged per-head cache would save nothing on CPU). With per-head selection
+(`SessionConfig.per_head`) each (layer, KV head) keeps its own slots: `_per_head` masks, per KV head, the old slots
+that head evicted, and returns one score row per (layer, KV head).
 
 A shared fork (`SlotTable.share`) has two key segments: the parent's rows it reads in place (`ForwardContext.prefix`,
 dead rows masked) and its own rows. `_two_segment` takes one softmax over both score blocks and sums the two value
@@ -40,6 +42,10 @@ class ForwardContext:
     n_layers: int = 1
     scores: torch.Tensor | None = None  # [n_old + q] float32, summed over layers
     prefix: SharedPrefix | None = None  # a shared fork's in-place parent rows (keys/values first in slot order)
+    # per-head selection: [layers, Hkv, n_old] which old slots each (layer, KV head) sees; the per-head scores come
+    # back in `head_scores` ([layers, Hkv, n_old + q], each KV head's query heads averaged)
+    head_visible: torch.Tensor | None = None
+    head_scores: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     def add(self, col_scores: torch.Tensor) -> None:
@@ -113,6 +119,31 @@ def _two_segment(query, key, value, mask, scaling, ctx: ForwardContext, layer: i
     return out.view(1, hq, q, d).to(query.dtype)
 
 
+def _per_head(query, key, value, mask, scaling, ctx: ForwardContext, layer: int) -> torch.Tensor:
+    """Attention where each KV head sees only the old slots it kept (`ctx.head_visible[layer]`; new slots causal),
+    in query tiles; the per-head column scores of the policy's mode go to `ctx.head_scores[layer]`."""
+    hkv, n, d = key.shape[1], key.shape[2], key.shape[3]
+    hq, q = query.shape[1], query.shape[2]
+    g = hq // hkv
+    visible = torch.cat([ctx.head_visible[layer].to(query.device),
+                         torch.ones(hkv, q, dtype=torch.bool, device=query.device)], dim=1)  # [Hkv, n]
+    tile = max(1, _QUERY_TILE_ELEMS // max(1, hq * n))
+    first_scored = {"cumulative": 0, "window": q - min(ctx.window, q)}.get(ctx.score_mode, q)
+    out = torch.empty(hkv, g, q, d, dtype=torch.float32, device=query.device)
+    col = torch.zeros(hkv, n, dtype=torch.float32, device=query.device)
+    v = value[0].float()
+    for start in range(0, q, tile):
+        stop = min(q, start + tile)
+        p = _probs(query[:, :, start:stop], key, mask[start:stop][None, None] & visible[:, None, None, :], scaling)
+        out[:, :, start:stop] = torch.matmul(p.view(hkv, g * (stop - start), n), v).view(hkv, g, stop - start, d)
+        if stop > first_scored:
+            col += p[:, :, max(0, first_scored - start):].sum(dim=(1, 2))
+    if ctx.head_scores is None:
+        ctx.head_scores = torch.zeros(ctx.n_layers, hkv, n, dtype=torch.float32, device=query.device)
+    ctx.head_scores[layer] = col / g
+    return out.view(1, hq, q, d).to(query.dtype)
+
+
 def steward_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, steward=None, **kwargs):
     """AttentionInterface signature: query [1,Hq,q,d], key/value [1,Hkv,n,d] → ([1,q,Hq,d], None)."""
     ctx: ForwardContext = steward
@@ -124,7 +155,11 @@ def steward_attention(module, query, key, value, attention_mask, scaling=None, d
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     mask = _mask(q, n - q, query.device)
-    if ctx.prefix is not None:
+    if ctx.head_visible is not None:
+        if ctx.prefix is not None:
+            raise RuntimeError("per-head selection does not run on a shared fork (take a copy: fork(shared=False))")
+        out = _per_head(query, key, value, mask, scaling, ctx, module.layer_idx)
+    elif ctx.prefix is not None:
         out = _two_segment(query, key, value, mask, scaling, ctx, module.layer_idx)
     elif ctx.score_mode == "cumulative":
         out = _cumulative(query, key, value, mask, scaling, ctx)

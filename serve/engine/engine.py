@@ -121,12 +121,13 @@ class Engine:
                    meta["close_bias"], meta["min_confidence"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
-                blueprint: str | list | None = None, **policy_overrides) -> Session:
+                blueprint: str | list | None = None, per_head: bool = False, **policy_overrides) -> Session:
         """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
         (positions-only, retention-only, pace, pace-tiered, pace-refresh: the arm fixes the position mode; bounded arms
         need `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them; pace-refresh
         re-encodes the resident tokens when a step that reads a planned span opens; pace-refresh-tail only those past
-        the fresh prefix)."""
+        the fresh prefix). `per_head`: each (layer, KV head) keeps its own top-B slots by its own attention scores
+        (the shared selection step run per head; `SessionConfig.per_head`)."""
         name = policy
         if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]
@@ -143,7 +144,7 @@ class Engine:
             spans = parse_blueprint(blueprint)
         cfg = SessionConfig(policy=pol, budget=budget if pol.evicts else None, chunk=chunk, limit=limit,
                             blueprint=spans, spill=self.spill if policy in TIERED_ARMS else None,
-                            refresh=policy in REFRESH_ARMS, refresh_tail=policy in TAIL_REFRESH_ARMS)
+                            refresh=policy in REFRESH_ARMS, refresh_tail=policy in TAIL_REFRESH_ARMS, per_head=per_head)
         return Session(self, cfg)
 
     def kv_bytes_per_token(self) -> int:

@@ -9,7 +9,21 @@ match it op for op; tests and `steward engine check` compare the two.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+MASKED = "kvsteward_reference_masked"
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, reference_masks=None, **kwargs):
+    """transformers' own sdpa attention with this layer's mask from `reference_masks` (per-head selection: each
+    query head's additive mask over the layer's columns), in place of the model's causal mask."""
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, reference_masks[module.layer_idx], is_causal=False,
+                                  **kwargs)
+
+
+AttentionInterface.register(MASKED, _masked_sdpa)
 
 
 def rotate_complex(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout: str) -> torch.Tensor:
@@ -58,18 +72,50 @@ class ReferenceSession:
         self.next_pos = 0
         self.n_logical = 0
         self.evicted: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}  # logical -> (pos, [K, V])
+        self.hidden: set[tuple[int, int]] = set()  # per-head selection: (logical, layer * Hkv + KV head) not seen
 
     @torch.inference_mode()
     def append(self, tokens: list[int]) -> torch.Tensor:
         n = len(tokens)
         pos = torch.arange(self.next_pos, self.next_pos + n)[None]
-        out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=self.cache, use_cache=True)
+        if self.hidden:
+            out = self._append_masked(tokens, pos)
+        else:
+            out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=self.cache,
+                             use_cache=True)
         self.logical += list(range(self.n_logical, self.n_logical + n))
         self.tokens += list(tokens)
         self.positions += pos[0].tolist()
         self.n_logical += n
         self.next_pos += n
         return out.logits[0].float()
+
+    def _append_masked(self, tokens: list[int], pos: torch.Tensor):
+        """The forward with per-layer, per-query-head masks: causal among the new tokens, and each (layer, KV head)'s
+        hidden columns masked for that KV head's query heads."""
+        cfg = self.model.config
+        n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or hq
+        q, n_old = len(tokens), len(self.logical)
+        col = {lg: i for i, lg in enumerate(self.logical)}
+        base = torch.zeros(q, n_old + q, dtype=torch.float32)
+        base[:, n_old:] = torch.full((q, q), float("-inf")).triu(1)
+        masks = [base.expand(1, hq, q, n_old + q).clone() for _ in range(n_layers)]
+        for lg, head in self.hidden:
+            layer, kv = divmod(head, hkv)
+            g = hq // hkv
+            masks[layer][0, kv * g : (kv + 1) * g, :, col[lg]] = float("-inf")
+        previous = cfg._attn_implementation
+        cfg._attn_implementation = MASKED
+        try:
+            return self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=self.cache,
+                              use_cache=True, reference_masks=[m.to(self.model.dtype) for m in masks])
+        finally:
+            cfg._attn_implementation = previous
+
+    def hide(self, pairs: list[list[int]]) -> None:
+        """Per-head selection: (logical, layer * Hkv + KV head) pairs that head no longer sees."""
+        self.hidden |= {(int(lg), int(h)) for lg, h in pairs}
 
     @classmethod
     def with_rope(cls, model, rope) -> ReferenceSession:
@@ -90,6 +136,7 @@ class ReferenceSession:
             _sync_length(layer)
         self.logical = [self.logical[i] for i in keep.tolist()]
         self.positions = [self.positions[i] for i in keep.tolist()]
+        self.hidden = {(lg, h) for lg, h in self.hidden if lg not in gone}
 
     def evict(self, indices: list[int]) -> None:
         """Like drop, but the columns are kept aside (position and per-layer K/V) for a later rehydrate."""
@@ -144,6 +191,8 @@ class ReferenceSession:
                 self.drop(op["indices"])
             elif kind == "evict":
                 self.evict(op["indices"])
+            elif kind == "hide":
+                self.hide(op["pairs"])
             elif kind == "rehydrate":
                 self.rehydrate(op["indices"])
             elif kind in ("reposition", "renumber"):

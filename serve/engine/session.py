@@ -60,6 +60,9 @@ class SessionConfig:
     refresh: bool = False  # refresh the resident K/V when a step that reads a planned span opens (pace-refresh;
     # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
     refresh_tail: bool = False  # those refreshes keep the fresh prefix and re-encode the rest (pace-refresh-tail)
+    # each (layer, KV head) keeps its own top-B slots by its own attention scores (kvpress's per-head selection):
+    # up to B slots per head, resident while any head keeps them; positions and re-rotation stay per slot
+    per_head: bool = False
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -70,6 +73,13 @@ class SessionConfig:
             raise CacheOpError(f"budget must be >= 1, got {self.budget}")
         if self.spill is not None and not self.policy.evicts:
             raise CacheOpError("a spill store needs an evicting policy: nothing is ever evicted to rehydrate")
+        if self.per_head:
+            if self.policy.score_mode == "none":
+                raise CacheOpError(f"per-head selection needs a policy that scores by attention (h2o, snapkv, tova, "
+                                   f"foresight); {self.policy.name!r} scores every head alike")
+            if self.spill is not None or self.refresh:
+                raise CacheOpError("per-head selection does not combine with spill tiers or refresh (they move "
+                                   "whole slots; a head's hidden slots would come back to it)")
         if self.limit is not None:
             if not self.policy.evicts or self.budget is None:
                 raise CacheOpError("bounded positions need an evicting policy with a budget (resident must stay < L)")
@@ -102,7 +112,8 @@ class Session:
             raise CacheOpError(_window_refusal(engine, f"budget + chunk = {config.budget} + {config.chunk}"))
         self.engine = engine
         self.config = config
-        self.table = SlotTable(engine.n_layers, engine.n_kv_heads, engine.head_dim, engine.dtype, engine.device)
+        self.table = SlotTable(engine.n_layers, engine.n_kv_heads, engine.head_dim, engine.dtype, engine.device,
+                               per_head=config.per_head)
         self.tokens: list[int] = []  # every logical token, in order
         self.status = bytearray()  # per logical token: RESIDENT / DROPPED / EVICTED
         self.history: list[dict] = []
@@ -319,7 +330,7 @@ class Session:
         extends_fresh = self.fresh_rows == t.n and self.next_pos == t.n  # an untouched table at 0..n-1 stays so
         policy = self.config.policy
         ctx = ForwardContext(n_old=t.n, score_mode=policy.score_mode, window=policy.window,
-                             n_layers=self.engine.n_layers, prefix=t.prefix)
+                             n_layers=self.engine.n_layers, prefix=t.prefix, head_visible=t.head_visible())
         model = self.engine.model
         with torch.inference_mode(), steward_attention_enabled(model), self.engine.adapter(self.config.use_adapter):
             out = model(input_ids=torch.tensor([chunk], device=t.device), position_ids=positions[None],
@@ -335,9 +346,17 @@ class Session:
             else:
                 t.meta["window"][:n_old] = ctx.scores[:n_old]
                 new_win = ctx.scores[n_old:]
+        head = {}
+        if ctx.head_scores is not None:  # [layers, Hkv, n] -> per slot, one column per (layer, KV head)
+            cols = ctx.head_scores.reshape(-1, n_old + c).T
+            if policy.score_mode == "cumulative":
+                t.meta["head_score"][:n_old] += cols[:n_old]
+            else:
+                t.meta["head_score"][:n_old] = cols[:n_old]
+            head = {"head_score": cols[n_old:]}
         logical = torch.arange(self.n_logical, self.n_logical + c, dtype=torch.long)
         t.commit(c, logical=logical, token=torch.tensor(chunk), position=positions, step=self.current_step,
-                 is_tool=kind == "tool", cumulative=new_cum, window=new_win, ref_pos=positions)
+                 is_tool=kind == "tool", cumulative=new_cum, window=new_win, ref_pos=positions, **head)
         self.tokens.extend(chunk)
         self.status.extend(bytes(c))
         self.next_pos += c
@@ -360,6 +379,9 @@ class Session:
         if not policy.evicts or budget is None:
             return
         view = self._view()
+        if self.config.per_head:
+            self._evict_heads(view, budget)
+            return
         keep = select_keep(policy.score(view), view, policy, budget)
         if keep.numel() == self.table.n:
             return
@@ -374,6 +396,34 @@ class Session:
         self.table.keep(keep)
         self.history.append({"op": "evict", "indices": evicted})
 
+    def _evict_heads(self, view: SlotView, budget: int) -> None:
+        """The shared selection step per (layer, KV head), each on its own scores over the slots it still sees (a
+        hidden slot never comes back to a head); a slot no head keeps leaves the table. History: `hide` (the
+        (logical, head) pairs newly hidden) before `evict` (the slots that left)."""
+        policy, t = self.config.policy, self.table
+        alive, scores = t.field("head_alive"), t.field("head_score")
+        kept = torch.zeros_like(alive)
+        for h in range(alive.shape[1]):
+            hv = dataclasses.replace(view, cumulative=scores[:, h], window=scores[:, h])
+            s = policy.score(hv).masked_fill(~alive[:, h], float("-inf"))
+            kept[select_keep(s, hv, policy, budget), h] = True
+        hidden = torch.nonzero(alive & ~kept)
+        if hidden.numel() == 0:
+            return
+        any_kept = kept.any(dim=1)
+        self._cut_fresh(~(alive & ~kept).any(dim=1))  # a row some head stops seeing is left by that head
+        pairs = [[int(view.logical[i]), int(h)] for i, h in hidden.tolist() if any_kept[i]]
+        if pairs:
+            self.history.append({"op": "hide", "pairs": pairs})
+        t.meta["head_alive"][: t.n] = kept
+        if bool(any_kept.all()):
+            return
+        evicted = view.logical[~any_kept].tolist()
+        for i in evicted:
+            self.status[i] = EVICTED
+        t.keep(torch.nonzero(any_kept).view(-1))
+        self.history.append({"op": "evict", "indices": evicted})
+
     def fork(self, shared: bool = False) -> Session:
         """An independent session with the same state and history; later ops on either side never affect the other.
 
@@ -381,6 +431,8 @@ class Session:
         this session writes fresh buffers instead of rows the fork reads (copy-on-write). What a short-lived reader
         (the aux thread) wants. Its attention sums over two key segments, so its logits equal a copy's to float
         rounding, not bit for bit."""
+        if shared and self.config.per_head:
+            raise CacheOpError("per-head selection does not run on a shared fork (take a copy: fork(shared=False))")
         other = Session.__new__(Session)
         other.__dict__.update(self.__dict__)
         other.config = dataclasses.replace(self.config)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 META_FIELDS = ("logical", "token", "position", "step", "is_tool", "cumulative", "window", "ref_pos")
+# per-head selection (`SessionConfig.per_head`): per slot, one column per (layer, KV head), index layer * Hkv + head
+HEAD_FIELDS = ("head_alive", "head_score")
 
 
 @dataclass(eq=False)
@@ -44,8 +46,11 @@ class SharedPrefix:
 
 class SlotTable:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 256):
+                 capacity: int = 256, per_head: bool = False):
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        # per-head selection: each (layer, KV head) sees only the slots it kept (`head_alive`); a slot stays resident
+        # while any head keeps it. The rows stay dense (masked, not ragged: on CPU a ragged cache saves nothing)
+        self.meta_fields = META_FIELDS + (HEAD_FIELDS if per_head else ())
         self.dtype, self.device = dtype, device
         self.n = 0
         self.capacity = 0  # slots the metadata holds
@@ -62,9 +67,11 @@ class SlotTable:
     def _grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        meta_dtypes = {"is_tool": torch.bool, "cumulative": torch.float32, "window": torch.float32}
-        for name in META_FIELDS:
-            new = torch.zeros(capacity, dtype=meta_dtypes.get(name, torch.long), device=self.device)
+        meta_dtypes = {"is_tool": torch.bool, "cumulative": torch.float32, "window": torch.float32,
+                       "head_alive": torch.bool, "head_score": torch.float32}
+        for name in self.meta_fields:
+            shape = (capacity, self.n_layers * self.n_kv_heads) if name in HEAD_FIELDS else (capacity,)
+            new = torch.zeros(shape, dtype=meta_dtypes.get(name, torch.long), device=self.device)
             if name in self.meta:
                 new[: self.n] = self.meta[name][: self.n]
             self.meta[name] = new
@@ -109,8 +116,8 @@ class SlotTable:
     def commit(self, q: int, **meta: torch.Tensor) -> None:
         """Make the staged q slots resident, with their metadata."""
         s = slice(self.n, self.n + q)
-        for name in META_FIELDS:
-            self.meta[name][s] = meta.get(name, 0)
+        for name in self.meta_fields:
+            self.meta[name][s] = meta.get(name, name == "head_alive")  # a new slot is seen by every head
         if self.ref_k is not None:
             rows = slice(self.n - self.base, self.n - self.base + q)
             for layer in range(self.n_layers):
@@ -132,7 +139,7 @@ class SlotTable:
             self.base = rows.numel()
         else:
             self._keep_rows(idx)
-        for name in META_FIELDS:
+        for name in self.meta_fields:
             self.meta[name][:m] = self.meta[name][idx]
         self.n = m
 
@@ -225,7 +232,7 @@ class SlotTable:
         rows |= {f"v.{i}": self._gather(self.v, p and p.v, idx, i) for i in range(self.n_layers)}
         if self.ref_k is not None:
             rows |= {f"ref_k.{i}": self._gather(self.ref_k, p and p.ref_k, idx, i) for i in range(self.n_layers)}
-        return rows | {f"meta.{name}": self.meta[name][idx].contiguous() for name in META_FIELDS}
+        return rows | {f"meta.{name}": self.meta[name][idx].contiguous() for name in self.meta_fields}
 
     def insert(self, rows: dict[str, torch.Tensor]) -> None:
         """Add slots exported by `export` (K, V, optional fp32 reference K, metadata) and restore logical order.
@@ -241,7 +248,7 @@ class SlotTable:
         for layer in range(self.n_layers):
             self.k[layer][:, s] = rows[f"k.{layer}"].to(self.device)
             self.v[layer][:, s] = rows[f"v.{layer}"].to(self.device)
-        for name in META_FIELDS:
+        for name in self.meta_fields:
             self.meta[name][s] = rows[f"meta.{name}"].to(self.device)
         if self.ref_k is not None:
             has_ref = "ref_k.0" in rows
@@ -265,6 +272,16 @@ class SlotTable:
     # -- views --------------------------------------------------------------------------------------------------
     def field(self, name: str) -> torch.Tensor:
         return self.meta[name][: self.n]
+
+    @property
+    def per_head(self) -> bool:
+        return "head_alive" in self.meta
+
+    def head_visible(self) -> torch.Tensor | None:
+        """[layers, Hkv, n] bool: which resident slots each (layer, KV head) sees; None without per-head selection."""
+        if not self.per_head:
+            return None
+        return self.meta["head_alive"][: self.n].T.reshape(self.n_layers, self.n_kv_heads, self.n)
 
     def kv_bytes(self) -> int:
         """Bytes of resident KV (keys + values, all layers), excluding reserved capacity and reference keys."""
