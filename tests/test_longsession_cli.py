@@ -67,8 +67,14 @@ def _resident_series_is_the_sessions_own(result: dict, model_dir, sessions_file)
         want = []
         for msg, ids in zip(messages, message_token_ids(engine.tokenizer, messages), strict=True):
             s.append(ids, kind=msg["role"], logits=None)
-            want.append({"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes()})
-        assert got["points"] == want
+            cfg_m = engine.model.config
+            ref = s.resident * cfg_m.num_hidden_layers * cfg_m.num_key_value_heads * engine.head_dim * 4
+            want.append({"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes(),
+                         "ref_bytes": ref if s.renumbers else 0, "max_position": int(s.resident_positions().max())})
+        assert [{k: v for k, v in p.items() if k != "wall_s"} for p in got["points"]] == want
+        walls = [p["wall_s"] for p in got["points"]]
+        assert walls == sorted(walls) and walls[-1] > 0
+        assert (arm == "pace") == (want[-1]["ref_bytes"] > 0)  # bounded positions renumber: reference keys exist
         assert want[-1]["tokens"] > 1000 and max(p["resident"] for p in want) <= 128 + 64
 
 

@@ -22,8 +22,16 @@ def setup():
 
 
 def _strip(result: dict) -> str:
-    """The result without wall times (they differ between runs)."""
-    return json.dumps({arm: {k: v for k, v in rec.items() if k != "wall_s"} for arm, rec in result["arms"].items()},
+    """The result without wall times (they differ between runs; the resident series records them too)."""
+    def still(rec: dict) -> dict:
+        out = {k: v for k, v in rec.items() if k != "wall_s"}
+        if "resident_series" in out:
+            series = out["resident_series"]
+            out["resident_series"] = {**series, "points": [{k: v for k, v in p.items() if k != "wall_s"}
+                                                           for p in series["points"]]}
+        return out
+
+    return json.dumps({arm: still(rec) for arm, rec in result["arms"].items()},
                       sort_keys=True)  # NaN (no code probes) compares equal as text
 
 

@@ -82,6 +82,7 @@ class ProbeRow:
     rotary_gap: float = float("nan")
     resident: int = 0
     kv_bytes: int = 0
+    ref_bytes: int = 0  # fp32 reference keys of the resident slots (re-rotation starts from them)
     max_position: int = 0
     refreshes: int = 0  # refreshes so far in the session (pace-refresh arms), and the tokens they re-encoded
     refresh_tokens: int = 0
@@ -110,14 +111,17 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
     hit = torch.isin(logical, wanted)
     return {"residency": scoring.residency(set(wanted.tolist()), set(logical[hit].tolist())),
             "rotary_gap": scoring.rotary_gap(s.next_pos, positions[hit].tolist()),
-            "resident": s.resident, "kv_bytes": s.table.kv_bytes(),
+            "resident": s.resident, "kv_bytes": s.table.kv_bytes(), "ref_bytes": s.table.ref_bytes(),
             "max_position": int(positions.max()) if positions.numel() else 0,
             "refreshes": s.refreshes, "refresh_tokens": s.refresh_tokens}
 
 
 def resident_point(s: EngineSession) -> dict:
-    """Where the session's KV stands now: tokens appended so far, resident slots, resident KV bytes."""
-    return {"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes()}
+    """Where the session's KV stands now: tokens appended so far, resident slots, resident KV bytes, their reference
+    keys' bytes, the largest position."""
+    positions = s.resident_positions()
+    return {"tokens": s.n_logical, "resident": s.resident, "kv_bytes": s.table.kv_bytes(),
+            "ref_bytes": s.table.ref_bytes(), "max_position": int(positions.max()) if positions.numel() else 0}
 
 
 def play(engine: Engine, sess: Session, arm: str, cfg: RunConfig,
@@ -357,8 +361,8 @@ def run(engine: Engine, sessions: list[Session], cfg: RunConfig,
                     bar.start(f"session {i + 1}/{len(sessions)} D={sess.distance} {arm}", len(sess.messages))
                 points = []
 
-                def on_message(s: EngineSession, points: list[dict] = points) -> None:
-                    points.append(resident_point(s))
+                def on_message(s: EngineSession, points: list[dict] = points, t0: float = t0) -> None:
+                    points.append(resident_point(s) | {"wall_s": round(time.perf_counter() - t0, 2)})
                     if bar:
                         bar.advance()
 

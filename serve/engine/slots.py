@@ -288,6 +288,12 @@ class SlotTable:
         per_slot = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.k[0].element_size()
         return self.n * per_slot
 
+    def ref_bytes(self) -> int:
+        """Bytes of the resident slots' fp32 reference keys (0 before the first renumber)."""
+        if self.ref_k is None:
+            return 0
+        return self.n * self.n_layers * self.n_kv_heads * self.head_dim * 4
+
     def allocated_bytes(self) -> int:
         """Bytes this table allocated (capacity, reference keys included): what the budget must bound. A shared
         fork's prefix rows are the parent's allocation and are not counted."""
