@@ -9,6 +9,7 @@ from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
 from kvsteward.serve.engine.blueprint import BlueprintError, foresight_bonus, parse_blueprint
 from kvsteward.serve.engine.policies import SlotView, get_policy, select_keep
+from kvsteward.serve.engine.session import CacheOpError
 
 torch.set_num_threads(1)
 
@@ -146,3 +147,27 @@ def test_bounded_positions_never_reach_limit_and_match_reference(engine):
     want = ref.replay(s.history)  # eviction ≡ drop, renumber ≡ reposition, in the order they happened
     assert ref.logical == s.resident_logical().tolist() and ref.positions == s.resident_positions().tolist()
     torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+
+
+def test_set_budget_compresses_once_or_changes_b(engine):
+    """`set_budget(None)`: nothing more is evicted (kvpress's compress-once protocol); a new B applies from the next
+    eviction; a bad B, or no budget with bounded positions, is refused and changes nothing."""
+    gen = torch.Generator().manual_seed(4)
+    s = engine.session("h2o", budget=8, chunk=4, sinks=1, recent=2)
+    s.append(torch.randint(0, 256, (20,), generator=gen).tolist())
+    assert s.resident == 8
+    s.set_budget(None)
+    s.append(torch.randint(0, 256, (10,), generator=gen).tolist())
+    s.generate(3)
+    assert s.resident == 21
+    s.set_budget(5)
+    s.append([7])
+    assert s.resident == 5
+    with pytest.raises(CacheOpError, match="budget must be >= 1"):
+        s.set_budget(0)
+    bounded = engine.session("h2o", budget=8, chunk=4, limit=32)
+    with pytest.raises(CacheOpError, match="bounded positions need a budget"):
+        bounded.set_budget(None)
+    with pytest.raises(CacheOpError, match="must exceed"):
+        bounded.set_budget(30)
+    assert s.config.budget == 5 and bounded.config.budget == 8

@@ -70,9 +70,7 @@ def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: 
                 s.append(ctx, kind="user")
                 resident = s.table.n
                 kept = int(s.table.field("head_alive").sum(dim=0).max()) if per_head else resident
-                # compress once, as kvpress does: nothing is evicted after the context (the budget now holds the
-                # question and the answer)
-                s.config.budget = None if name == "full" else kept + len(q) + max_new_tokens
+                s.set_budget(None)  # compress once, as kvpress does: nothing is evicted after the context
                 s.append(q, kind="user", continue_message=True)
                 out = s.generate(max_new_tokens, stop_ids=stop)
                 wall = time.perf_counter() - t0

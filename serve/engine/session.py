@@ -233,6 +233,17 @@ class Session:
             raise CacheOpError("refresh on an empty cache: nothing is resident")
         self._refresh({"op": "refresh"}, tail=tail)
 
+    def set_budget(self, budget: int | None) -> None:
+        """B from the next eviction on; None evicts nothing more (kvpress's protocol: compress the context once, then
+        append the question and decode with nothing evicted). Evicted tokens never come back. Checked as a new
+        session's config is (bounded positions keep needing a budget below L - H)."""
+        if budget is None:
+            if self.config.limit is not None:
+                raise CacheOpError("bounded positions need a budget (resident must stay < L)")
+        else:
+            dataclasses.replace(self.config, budget=budget).validate()
+        self.config.budget = budget
+
     # -- internals ----------------------------------------------------------------------------------------------
     def _check_window(self, n_new: int) -> None:
         """Refuse, before any work, an append / decode whose forwards would see more resident tokens than the model's
