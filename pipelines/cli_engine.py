@@ -198,6 +198,27 @@ def refresh(model: str = typer.Option("smollm2", help=MODEL_HELP),
 
 
 @bench_app.command()
+def throughput(model: str = typer.Option("smollm2", help=MODEL_HELP),
+               dtypes: str = typer.Option("float32,bfloat16", help="weight dtypes, the first is the baseline"),
+               arms: str = typer.Option("pace-refresh,positions-only", help="bounded arms (`eval longsession`'s)"),
+               tokens: int = typer.Option(8192, help="tokens timed after one warm-up chunk"),
+               budget: int = typer.Option(1024), limit: int = typer.Option(2048), chunk: int = typer.Option(512),
+               repeats: int = typer.Option(2, help="each (dtype, arm) this often, order alternating"),
+               as_json: bool = typer.Option(False, "--json")) -> None:
+    """Prefill tokens/s of a bounded long session per arm and weight dtype, same run, and the minutes 1M tokens take
+    at that rate (threads: OMP_NUM_THREADS)."""
+    from kvsteward.serve.bench import checks
+
+    names = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    for d in names:
+        if d not in ("float32", "bfloat16", "float16"):
+            raise typer.BadParameter(f"unknown dtype {d!r}: float32, bfloat16 or float16")
+    engines = {d: _engine(model, d) for d in names}
+    _emit(checks.bench_throughput(engines, tuple(a.strip() for a in arms.split(",") if a.strip()), tokens, budget,
+                                  limit, chunk, repeats, progress=_progress), as_json)
+
+
+@bench_app.command()
 def rehydrate(model: str = typer.Option("smollm2", help=MODEL_HELP),
               span_tokens: int = typer.Option(440, help="tokens of the planned span that is spilled and rehydrated"),
               budget: int = typer.Option(512), limit: int = typer.Option(2048),

@@ -31,6 +31,11 @@ def test_bench_rerotate_overhead_restore(tiny_folder):
     assert r["peak_resident"] <= 128 + 64 and r["pace_renumbers"] >= 1 and r["ratio_pace_over_h2o"] > 0
     r = _json(tiny_folder, "bench", "restore", "--messages", "3", "--tokens-per-message", "32")
     assert r["max_abs_logit_diff"] < 1e-4 and r["tokens"] == 96
+    r = _json(tiny_folder, "bench", "throughput", "--tokens", "512", "--budget", "128", "--limit", "512", "--chunk",
+              "64", "--repeats", "1")
+    assert set(r["tok_s"]) == {"float32", "bfloat16"} and set(r["speedup_over_float32"]["bfloat16"]) == {
+        "pace-refresh", "positions-only"}
+    assert all(c["tok_s"] > 0 and c["minutes_per_1m_tokens"] > 0 for d in r["tok_s"].values() for c in d.values())
 
 
 def test_bench_tiers_fork_rehydrate_aux(tiny_folder):

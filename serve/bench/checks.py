@@ -397,3 +397,35 @@ def bench_aux(engine: Engine, turns: int = 12, every: int = 2, gap: float = 0.5,
             "aux_fork_max_s": on.aux_fork_seconds_max,
             "final_tokens": on._records[sids["on"]].session.n_logical,
             "final_resident_on": on._records[sids["on"]].session.resident}
+
+
+def bench_throughput(engines: dict[str, Engine], arms: tuple[str, ...] = ("pace-refresh", "positions-only"),
+                     tokens: int = 8192, budget: int = 1024, limit: int = 2048, chunk: int = 512, repeats: int = 2,
+                     progress: Progress | None = None) -> dict:
+    """Prefill tokens/s of a bounded session per arm and weight dtype, same run: `engines` maps a dtype name to the
+    engine loaded in it; each repeat plays every (dtype, arm) once, in an order that alternates between repeats
+    (machines are noisy). One chunk is appended untimed first (warm-up), then `tokens` more are timed. No plan: a
+    foresight arm keeps its recent window, so this is the cost of the forward, the scoring and the bounded positions
+    (renumbers), not of refreshes. Returns per (dtype, arm) the median tokens/s and the minutes 1M tokens would take
+    at that rate, and per arm each dtype's speed-up over the first."""
+    cells = [(d, a) for d in engines for a in arms]
+    times: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+    vocab = min(e.vocab_size for e in engines.values())
+    toks = _tokens(chunk + tokens, vocab, 11)
+    for rep in range(repeats):
+        for dtype, arm in (cells if rep % 2 == 0 else cells[::-1]):
+            s = engines[dtype].session(arm, budget=budget, limit=limit, chunk=chunk)
+            s.append(toks[:chunk], logits=None)
+            t0 = time.perf_counter()
+            s.append(toks[chunk:], logits=None)
+            times[(dtype, arm)].append(time.perf_counter() - t0)
+            if progress:
+                progress(f"repeat {rep + 1}: {dtype} {arm}: {tokens / times[(dtype, arm)][-1]:.0f} tok/s")
+    rows = {}
+    for dtype, arm in cells:
+        tok_s = tokens / sorted(times[(dtype, arm)])[len(times[(dtype, arm)]) // 2]
+        rows.setdefault(dtype, {})[arm] = {"tok_s": tok_s, "minutes_per_1m_tokens": 1e6 / tok_s / 60}
+    first = next(iter(engines))
+    speedup = {d: {a: rows[d][a]["tok_s"] / rows[first][a]["tok_s"] for a in arms} for d in engines if d != first}
+    return {"tokens": tokens, "budget": budget, "limit": limit, "chunk": chunk, "repeats": repeats,
+            "threads": torch.get_num_threads(), "tok_s": rows, f"speedup_over_{first}": speedup}
