@@ -10,7 +10,8 @@ import sys
 from collections import defaultdict
 
 here = os.path.dirname(os.path.abspath(__file__))
-RUNS = ("settlement-lexical", "ops-lexical", "settlement-oracle-d1024", "ops-oracle-d1024")
+RUNS = ("settlement-lexical", "ops-lexical", "settlement-oracle-d1024", "ops-oracle-d1024", "settlement-full-on-misses",
+        "settlement-lexical-32k", "ops-lexical-32k")
 
 
 def sessions_of(folder: str) -> dict:
@@ -45,7 +46,7 @@ def summarize(folder: str) -> dict:
 result = {run: summarize(os.path.join(here, run)) for run in RUNS if os.path.isdir(os.path.join(here, run))}
 for run in RUNS:
     path = os.path.join(here, f"{run}.stdout.json")
-    if run.endswith("lexical") and os.path.exists(path) and os.path.getsize(path):
+    if "lexical" in run and os.path.exists(path) and os.path.getsize(path):
         plan = json.load(open(path))["planner"]
         result[run]["planner"] = {k: v for k, v in plan.items() if k != "reads"}
 json.dump(result, sys.stdout if "--out" not in sys.argv else open(sys.argv[sys.argv.index("--out") + 1], "w"), indent=1)
