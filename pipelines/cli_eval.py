@@ -86,8 +86,8 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 plan_only: bool = typer.Option(False, "--plan-only", help="make the plans, report the planner's "
                                                "edges against the oracle, play nothing"),
                 dtype: str = typer.Option("float32", help="weights and K/V: float32, or bfloat16 (AVX512-BF16 "
-                                          "matmuls on CPU, ~2.8x the tokens/s here; re-rotation still starts from "
-                                          "fp32 reference keys)"),
+                                          "matmuls on CPU, ~3x pace-refresh's tokens/s here; re-rotation starts "
+                                          "from fp32 reference keys)"),
                 out: Path = typer.Option(Path("runs/longsession"), help="output folder (JSON, Markdown, plots)"),
                 mlflow_log: bool = typer.Option(True, "--mlflow/--no-mlflow", help="log the run to MLflow"),
                 report_only: bool = typer.Option(False, "--report-only", help="play nothing: report the (session, "
