@@ -65,6 +65,7 @@ from kvsteward.serve.manager.rule import ManagerError, RuleManager, load_choice
 from kvsteward.serve.manager.stack import StackManager
 
 AUX_FIELD = "kvsteward_aux"
+ForkInput = tuple[list[list[int]], dict | None]  # a fork's messages (token ids, the trigger last) and ops
 
 
 @lru_cache(maxsize=64)
@@ -197,10 +198,16 @@ class SglangManager:
         dicts, for the trigger, and the token ids the main sent) with the main's ops, then the trigger. None when no
         cursor is deletable (the decision is "delete nothing" without a request, as in the engine).
         `history`: the main's `SglangHistory` (the fork continues its base), or None for the full form."""
+        built = self._fork_request(history, messages, message_ids, cache, open_cursors)
+        return None if built is None else built[0]
+
+    def _fork_request(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                      open_cursors: list[int]) -> tuple[dict, ForkInput] | None:
+        """`fork_body` and the fork's input (for `_post`)."""
         deletable = self.deletable(messages, open_cursors)
         if not deletable:
             return None
-        body = self._fork_fields(history, messages, message_ids, cache, open_cursors)
+        body, fork_input = self._fork_fields(history, messages, message_ids, cache, open_cursors)
         cand, texts = _candidates(self.tokenizer)
         spec = {"cand": cand, "texts": texts, "open": deletable, "close_bias": float(self.close_bias),
                 "eos": self._eos}
@@ -208,16 +215,21 @@ class SglangManager:
         params.setdefault("custom_params", {})[AUX_FIELD] = json.dumps(spec, separators=(",", ":"))
         params.update({"max_new_tokens": self.max_tokens + 1, "temperature": 0.0})
         body["custom_logit_processor"] = processor_str()
-        return body
+        return body, fork_input
 
     def branch_body(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
                     open_cursors: list[int], tail: list[int]) -> dict:
         """The confidence walk's request for one branch state: the fork, the tokens `tail` of the branch after the
         opener, one token to generate, and the log-probabilities of every deletion-list candidate there."""
-        body = self._fork_fields(history, messages, message_ids, cache, open_cursors, tail)
+        return self._branch_request(history, messages, message_ids, cache, open_cursors, tail)[0]
+
+    def _branch_request(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                        open_cursors: list[int], tail: list[int]) -> tuple[dict, ForkInput]:
+        """`branch_body` and the fork's input (for `_post`)."""
+        body, fork_input = self._fork_fields(history, messages, message_ids, cache, open_cursors, tail)
         body.setdefault("sampling_params", {}).update({"max_new_tokens": 1, "temperature": 0.0})
         body.update({"return_logprob": True, "token_ids_logprob": _candidates(self.tokenizer)[0]})
-        return body
+        return body, fork_input
 
     def scores_body(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
                     open_cursors: list[int]) -> tuple[dict, list[int]] | None:
@@ -227,6 +239,12 @@ class SglangManager:
         trigger is always computed, never matched in the tree). Returns (body, the input position whose
         distribution is each open cursor's slot: slot + 1, ascending cursor order); None when nothing is
         deletable (no request, as in the engine)."""
+        built = self._scores_request(history, messages, message_ids, cache, open_cursors)
+        return None if built is None else built[:2]
+
+    def _scores_request(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
+                        open_cursors: list[int]) -> tuple[dict, list[int], ForkInput] | None:
+        """`scores_body` and the fork's input (for `_post`)."""
         from kvsteward.serve.manager.scores import trigger_ids
         from kvsteward.synth.traces.hindsight import ANSWERS
         from kvsteward.synth.traces.tokens import answer_ids
@@ -234,30 +252,27 @@ class SglangManager:
         if not self.deletable(messages, open_cursors):
             return None
         trigger, slots = trigger_ids(self.tokenizer, messages, open_cursors)
-        body = self._fork_fields(history, messages, message_ids, cache, open_cursors, trigger=trigger)
+        body, fork_input = self._fork_fields(history, messages, message_ids, cache, open_cursors, trigger=trigger)
         start = len(body["input_ids"]) - len(trigger)
         body.setdefault("sampling_params", {}).update({"max_new_tokens": 1, "temperature": 0.0})
         body.update({"return_logprob": True, "logprob_start_len": start,
                      "token_ids_logprob": list(answer_ids(self.tokenizer, ANSWERS))})
-        return body, [start + k + 1 for k in slots]
+        return body, [start + k + 1 for k in slots], fork_input
 
     def scores_decision(self, url: str, history, messages: list[dict], message_ids: list[list[int]],
                         cache: dict | None, open_cursors: list[int], timeout: float = 600) -> AuxDecision:
         """The per-response decision on the server at `url`: each open response's P(no) (the two answers'
         log-probabilities at its slot, softmaxed against each other, as `manager.scores.needless` does with the
         engine's logits), the deletable ones at or above the threshold (`manager.scores.deletions`)."""
-
-        from kvsteward.serve.manager.scores import deletions, trigger_ids
+        from kvsteward.serve.manager.scores import deletions
         from kvsteward.synth.traces.hindsight import ANSWERS
         from kvsteward.synth.traces.tokens import answer_ids
 
-        built = self.scores_body(history, messages, message_ids, cache, open_cursors)
+        built = self._scores_request(history, messages, message_ids, cache, open_cursors)
         if built is None:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
-        body, positions = built
-        trigger = trigger_ids(self.tokenizer, messages, open_cursors)[0]
-        out = self._post(url, body, history, self._fork_input(message_ids, cache, None, messages, trigger=trigger),
-                         timeout)
+        body, positions, fork_input = built
+        out = self._post(url, body, history, fork_input, timeout)
         rows = out["meta_info"]["input_token_ids_logprobs"]
         start = body["logprob_start_len"]
         yes, no = answer_ids(self.tokenizer, ANSWERS)
@@ -270,11 +285,15 @@ class SglangManager:
         return AuxDecision(gone, json.dumps({"del_cursors": gone}), 0, confidence={c: p_no[c] for c in deletable})
 
     def _fork_fields(self, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
-                     open_cursors: list[int], tail: list[int] = (), trigger: list[int] | None = None) -> dict:
-        """The fork's input (the main's messages and ops, the trigger, the opener, `tail`; or `trigger` as given)
-        naming the adapter."""
-        msgs, ops = self._fork_input(message_ids, cache, open_cursors if trigger is None else None, messages,
-                                     tail, trigger)
+                     open_cursors: list[int], tail: list[int] = (), trigger: list[int] | None = None
+                     ) -> tuple[dict, ForkInput]:
+        """The fork's fields (the main's messages and ops, the trigger, the opener, `tail`; or `trigger` as given)
+        naming the adapter, and its input: (messages as token ids, the trigger last; ops)."""
+        trigger = self.trigger_ids(messages, open_cursors) + list(tail) if trigger is None else trigger
+        if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
+            msgs, ops = [message_ids[0], trigger], None
+        else:
+            msgs, ops = [*message_ids, trigger], cache
         if history is not None and self.aux_context != "first":
             body = history.fork_fields(msgs, ops)
         else:
@@ -283,20 +302,10 @@ class SglangManager:
             body = request_fields(msgs, ops)
         if self.lora is not None:
             body["lora_path"] = self.lora
-        return body
+        return body, (msgs, ops)
 
-    def _fork_input(self, message_ids: list[list[int]], cache: dict | None, open_cursors: list[int] | None,
-                    messages: list[dict], tail: list[int] = (), trigger: list[int] | None = None
-                    ) -> tuple[list[list[int]], dict | None]:
-        """The fork's messages (token ids, the trigger last) and ops."""
-        trigger = self.trigger_ids(messages, open_cursors) + list(tail) if trigger is None else trigger
-        if self.aux_context == "first":  # the adapter's training context: the first message only, no op touches it
-            return [message_ids[0], trigger], None
-        return [*message_ids, trigger], cache
-
-    def _post(self, url: str, body: dict, history, fork_input: tuple[list[list[int]], dict | None],
-              timeout: float) -> dict:
-        """One fork request; `fork_input` is its (messages, ops) from `_fork_input`. With a history that refuses a
+    def _post(self, url: str, body: dict, history, fork_input: ForkInput, timeout: float) -> dict:
+        """One fork request; `fork_input` is its (messages, ops) from `_fork_fields`. With a history that refuses a
         lost pre-op state (`SglangHistory(miss="refuse")`) a refusal is not a decision: the main's state is rebuilt
         by the base model and the fork sent again (`ops.generate_exact`; counted in `refusals`)."""
         import requests
@@ -338,7 +347,6 @@ class SglangManager:
     def decide(self, url: str, history, messages: list[dict], message_ids: list[list[int]], cache: dict | None,
                open_cursors: list[int], timeout: float = 600) -> AuxDecision:
         """Run the fork on the server at `url` and return the decision."""
-
         if self.rule is not None and self.rule.needs_model:  # the stack: the adapter's P(no), then the head
             read = self.scores_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
             return self.rule.decide_with(messages, open_cursors, read.confidence or {})
@@ -348,28 +356,25 @@ class SglangManager:
             return self.scores_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
         if self.min_confidence is not None:
             return self.confident_decision(url, history, messages, message_ids, cache, open_cursors, timeout)
-        body = self.fork_body(history, messages, message_ids, cache, open_cursors)
-        if body is None:
+        built = self._fork_request(history, messages, message_ids, cache, open_cursors)
+        if built is None:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
-        out = self._post(url, body, history, self._fork_input(message_ids, cache, open_cursors, messages), timeout)
-        return self.decision(out["output_ids"])
+        body, fork_input = built
+        return self.decision(self._post(url, body, history, fork_input, timeout)["output_ids"])
 
     def confident_decision(self, url: str, history, messages: list[dict], message_ids: list[list[int]],
                            cache: dict | None, open_cursors: list[int], timeout: float = 600,
                            prune: float = PRUNE, max_forwards: int = MAX_BRANCH_FORWARDS) -> AuxDecision:
         """The confidence rule on the server at `url`: `branch_walk` driven by one request per branch state (a
         state's handle is its tail of tokens after the opener)."""
-
         deletable = self.deletable(messages, open_cursors)
         if not deletable:
             return AuxDecision([], PREFIX + LIST_OPEN + "]}", 0)
         cand = _candidates(self.tokenizer)[0]
 
         def logits(tail: list[int]) -> torch.Tensor:
-            body = self.branch_body(history, messages, message_ids, cache, open_cursors, tail)
-            out = self._post(url, body, history, self._fork_input(message_ids, cache, open_cursors, messages, tail),
-                             timeout)
-            (row,) = out["meta_info"]["output_token_ids_logprobs"]
+            body, fork_input = self._branch_request(history, messages, message_ids, cache, open_cursors, tail)
+            (row,) = self._post(url, body, history, fork_input, timeout)["meta_info"]["output_token_ids_logprobs"]
             logprob = {int(tid): float(lp) for lp, tid, *_ in row}
             return torch.tensor([logprob[t] for t in cand], dtype=torch.float32)
 
