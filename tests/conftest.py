@@ -1,8 +1,9 @@
 """Shared fixtures: a real Valkey (or Redis) server for the tier tests, SmolLM2's tokenizer, a tiny model folder,
-the manager evaluation's tiny engine and traces."""
+the manager evaluation's tiny engine and traces, a long-session result compared without its wall times."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -93,3 +94,23 @@ def _mlflow_state_isolated():
     for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
         del os.environ[k]
     os.environ.update(env)
+
+
+def _result_text(result: dict) -> str:
+    def still(rec: dict) -> dict:
+        out = {k: v for k, v in rec.items() if k != "wall_s"}
+        if "resident_series" in out:
+            series = out["resident_series"]
+            out["resident_series"] = {**series, "points": [{k: v for k, v in p.items() if k != "wall_s"}
+                                                           for p in series["points"]]}
+        return out
+
+    return json.dumps({arm: still(rec) for arm, rec in result["arms"].items()},
+                      sort_keys=True)  # NaN (no code probes) compares equal as text
+
+
+@pytest.fixture
+def result_text():
+    """A long-session result's arms as text without wall times (they differ between runs; the resident series
+    records them too): two runs that played the same compare equal."""
+    return _result_text

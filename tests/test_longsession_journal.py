@@ -21,21 +21,7 @@ def setup():
     return engine, sessions, cfg
 
 
-def _strip(result: dict) -> str:
-    """The result without wall times (they differ between runs; the resident series records them too)."""
-    def still(rec: dict) -> dict:
-        out = {k: v for k, v in rec.items() if k != "wall_s"}
-        if "resident_series" in out:
-            series = out["resident_series"]
-            out["resident_series"] = {**series, "points": [{k: v for k, v in p.items() if k != "wall_s"}
-                                                           for p in series["points"]]}
-        return out
-
-    return json.dumps({arm: still(rec) for arm, rec in result["arms"].items()},
-                      sort_keys=True)  # NaN (no code probes) compares equal as text
-
-
-def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path, monkeypatch):
+def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path, monkeypatch, result_text):
     engine, sessions, cfg = setup
     journal = tmp_path / ls.JOURNAL
     fresh = ls.run(engine, sessions, cfg, journal=journal)
@@ -50,7 +36,7 @@ def test_resume_plays_only_missing_pairs_and_equals_a_fresh_run(setup, tmp_path,
     resumed = ls.run(engine, sessions, cfg, journal=journal)
     last = json.loads(lines[-1])
     assert played == [(last["session"], last["arm"])]
-    assert _strip(resumed) == _strip(fresh)
+    assert result_text(resumed) == result_text(fresh)
     assert resumed["paired"] == fresh["paired"]
 
 
@@ -102,7 +88,8 @@ def test_journal_from_another_config_is_refused(setup, tmp_path):
         ls.RunConfig(dtype="float16")
 
 
-def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(setup, tmp_path, monkeypatch):
+def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(setup, tmp_path, monkeypatch,
+                                                                          result_text):
     engine, sessions, cfg = setup
     (tmp_path / "one").mkdir()
     fresh = ls.run(engine, sessions, cfg, journal=tmp_path / "one" / ls.JOURNAL)
@@ -114,7 +101,7 @@ def test_shards_play_disjoint_sessions_and_their_journals_report_as_one_sweep(se
     assert sorted(played) == sorted(s.id for s in sessions for _ in cfg.arms)  # each pair played once, by one shard
     assert {p.name for p in tmp_path.glob("journal*.jsonl")} == {ls.shard_journal(0, 2), ls.shard_journal(1, 2)}
     merged = ls.run(engine, sessions, cfg, journal=tmp_path / ls.JOURNAL, play_missing=False)
-    assert _strip(merged) == _strip(fresh) and merged["paired"] == fresh["paired"]
+    assert result_text(merged) == result_text(fresh) and merged["paired"] == fresh["paired"]
     with pytest.raises(ValueError, match="shard must be I/N"):
         ls.shard(sessions, 2, 2)
 

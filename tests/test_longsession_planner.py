@@ -4,7 +4,6 @@ planner's plan instead of the oracle's."""
 from __future__ import annotations
 
 import bisect
-import json
 
 import pytest
 
@@ -128,20 +127,7 @@ def test_run_config_needs_message_granularity_for_a_planner():
         ls.RunConfig(planner="psychic", blueprint="messages")
 
 
-def _result_text(result: dict) -> str:
-    """The result without wall times (they differ between runs; the resident series records them too)."""
-    def still(rec: dict) -> dict:
-        out = {k: v for k, v in rec.items() if k != "wall_s"}
-        if "resident_series" in out:
-            series = out["resident_series"]
-            out["resident_series"] = {**series, "points": [{k: v for k, v in p.items() if k != "wall_s"}
-                                                           for p in series["points"]]}
-        return out
-
-    return json.dumps({arm: still(rec) for arm, rec in result["arms"].items()}, sort_keys=True)
-
-
-def test_runner_follows_the_planners_plan(engine, sessions, tmp_path):
+def test_runner_follows_the_planners_plan(engine, sessions, tmp_path, result_text):
     """A planner whose plan is the oracle's gives exactly the oracle run; another plan changes what pace keeps; a
     planner run without plans is refused; its journal is not mixed with an oracle run's."""
     base = dict(arms=("pace",), budget=128, chunk=64, limit=512, code=False, max_fact_tokens=4, max_recall_tokens=4,
@@ -149,7 +135,7 @@ def test_runner_follows_the_planners_plan(engine, sessions, tmp_path):
     oracle = ls.run(engine, sessions, ls.RunConfig(**base))
     cfg = ls.RunConfig(**base, planner="lexical")
     as_oracle = {s.id: lp.blueprint_of(s, lp.oracle_reads(s)) for s in sessions}
-    assert _result_text(ls.run(engine, sessions, cfg, plans=as_oracle)) == _result_text(oracle)
+    assert result_text(ls.run(engine, sessions, cfg, plans=as_oracle)) == result_text(oracle)
 
     previous = {s.id: lp.blueprint_of(s, lp.previous_reads(s)) for s in sessions}
     got = ls.run(engine, sessions, cfg, plans=previous)
