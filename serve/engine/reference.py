@@ -96,6 +96,7 @@ class ReferenceSession:
         cfg = self.model.config
         n_layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
         hkv = getattr(cfg, "num_key_value_heads", None) or hq
+        g = hq // hkv
         q, n_old = len(tokens), len(self.logical)
         col = {lg: i for i, lg in enumerate(self.logical)}
         base = torch.zeros(q, n_old + q, dtype=torch.float32)
@@ -103,7 +104,6 @@ class ReferenceSession:
         masks = [base.expand(1, hq, q, n_old + q).clone() for _ in range(n_layers)]
         for lg, head in self.hidden:
             layer, kv = divmod(head, hkv)
-            g = hq // hkv
             masks[layer][0, kv * g : (kv + 1) * g, :, col[lg]] = float("-inf")
         previous = cfg._attn_implementation
         cfg._attn_implementation = MASKED

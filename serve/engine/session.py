@@ -418,11 +418,12 @@ class Session:
             hv = dataclasses.replace(view, cumulative=scores[:, h], window=scores[:, h])
             s = policy.score(hv).masked_fill(~alive[:, h], float("-inf"))
             kept[select_keep(s, hv, policy, budget), h] = True
-        hidden = torch.nonzero(alive & ~kept)
+        let_go = alive & ~kept
+        hidden = torch.nonzero(let_go)
         if hidden.numel() == 0:
             return
         any_kept = kept.any(dim=1)
-        self._cut_fresh(~(alive & ~kept).any(dim=1))  # a row some head stops seeing is left by that head
+        self._cut_fresh(~let_go.any(dim=1))  # a row some head stops seeing is left by that head
         pairs = [[int(view.logical[i]), int(h)] for i, h in hidden.tolist() if any_kept[i]]
         if pairs:
             self.history.append({"op": "hide", "pairs": pairs})
