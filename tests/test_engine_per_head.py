@@ -27,10 +27,6 @@ def engine(request) -> Engine:
     return Engine(model)
 
 
-def reference(engine: Engine) -> ReferenceSession:
-    return ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
-
-
 def tokens(n: int, rng: torch.Generator) -> list[int]:
     return torch.randint(0, 256, (n,), generator=rng).tolist()
 
@@ -60,7 +56,7 @@ def test_random_op_sequences_match_the_masked_reference(engine, ops, seed, polic
         if op == "append":
             toks = tokens(arg, rng)
             got = s.append(toks, logits="last")
-            ref = reference(engine)
+            ref = ReferenceSession.with_rope(engine.model, engine.rope)
             torch.testing.assert_close(got, ref.replay(s.history)[-1], atol=5e-5, rtol=1e-4)
             assert s.resident_logical().tolist() == ref.logical and s.resident_positions().tolist() == ref.positions
         elif op == "drop":
@@ -90,7 +86,7 @@ def test_heads_keep_different_slots_and_resident_is_their_union(engine):
     assert (alive.sum(dim=0) == 12).all() and s.resident > 12 and u.resident == 12
     nxt = tokens(3, rng)
     assert not torch.allclose(s.append(nxt), u.append(nxt), atol=1e-4)
-    ref = reference(engine)
+    ref = ReferenceSession.with_rope(engine.model, engine.rope)
     torch.testing.assert_close(s.last_logits, ref.replay(s.history)[-1], atol=5e-5, rtol=1e-4)
 
 
