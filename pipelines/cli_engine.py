@@ -93,8 +93,8 @@ def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
     _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
 
 
-FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "pace-refresh-tail", "pace-refresh-h2o", "retention-only",
-                  "foresight", "foresight-recent")
+FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "pace-refresh-tail", "pace-refresh-plan",
+                  "pace-refresh-h2o", "retention-only", "foresight", "foresight-recent")
 
 
 @engine_app.command()
@@ -268,8 +268,10 @@ def peers(model: str = typer.Option("smollm2", help="`smollm2` or a local HF fol
           length: int = typer.Option(2048, help="RULER max_seq_length: prompt + answer tokens"),
           ratios: str = typer.Option("0.5,0.75", help="compression ratios (kept = int(n * (1 - ratio)))"),
           presses: str = typer.Option("snapkv,tova,streaming,observed,knorm", help="kvpress presses"),
-          policies: str = typer.Option("snapkv,tova,streaming,h2o,snapkv-heads,tova-heads,h2o-heads",
-                                        help="engine policies; -heads: each layer and KV head keeps its own tokens"),
+          policies: str = typer.Option("snapkv,tova,streaming,h2o,snapkv-heads,tova-heads,h2o-heads,snapkv-layers,"
+                                       "tova-layers",
+                                       help="engine policies; -heads: each layer and KV head keeps its own tokens; "
+                                            "-layers: each layer keeps its own (its heads' scores averaged)"),
           max_new_tokens: int = typer.Option(24), seed: int = typer.Option(42),
           workdir: str = typer.Option("", help="keep the prompts and kvpress's raw output here"),
           as_json: bool = typer.Option(False, "--json")) -> None:

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from kvsteward.models import tiny_model
 from kvsteward.serve.engine import Engine
+from kvsteward.serve.engine.policies import get_policy
 from kvsteward.serve.engine.reference import ReferenceSession
-from kvsteward.serve.engine.session import CacheOpError
+from kvsteward.serve.engine.session import CacheOpError, Session, SessionConfig
 
 torch.set_num_threads(1)
 
@@ -45,12 +46,12 @@ op_strategy = st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 12)
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=op_strategy, seed=st.integers(0, 10_000), policy=st.sampled_from(["h2o", "snapkv", "tova"]),
-       bounded=st.booleans())
-def test_random_op_sequences_match_the_masked_reference(engine, ops, seed, policy, bounded):
+       bounded=st.booleans(), per_layer=st.booleans())
+def test_random_op_sequences_match_the_masked_reference(engine, ops, seed, policy, bounded, per_layer):
     rng = torch.Generator().manual_seed(seed)
     budget = 10
-    s = engine.session(policy, budget=budget, chunk=5, limit=40 if bounded else None, per_head=True, sinks=2,
-                       recent=3)
+    s = engine.session(policy, budget=budget, chunk=5, limit=40 if bounded else None, per_head=not per_layer,
+                       per_layer=per_layer, sinks=2, recent=3)
     s.append(tokens(14, rng))
     for op, arg in ops:
         if op == "append":
@@ -67,9 +68,12 @@ def test_random_op_sequences_match_the_masked_reference(engine, ops, seed, polic
         else:
             s.reposition()
         check_heads(s, budget)
+        if per_layer:  # a layer's KV heads share one selection
+            alive = s.table.field("head_alive").view(s.table.n, engine.n_layers, engine.n_kv_heads)
+            assert bool((alive == alive[:, :, :1]).all())
     hides = sum(len(op["pairs"]) for op in s.history if op["op"] == "hide")
     event(f"{policy}: hidden pairs > 0: {hides > 0}")
-    if policy == "tova":  # each head's last query votes alone: the heads of this model always disagree somewhere
+    if policy == "tova":  # each head's (layer's) last query votes alone: they always disagree somewhere
         assert hides > 0
 
 
@@ -88,6 +92,28 @@ def test_heads_keep_different_slots_and_resident_is_their_union(engine):
     assert not torch.allclose(s.append(nxt), u.append(nxt), atol=1e-4)
     ref = ReferenceSession.with_rope(engine.model, engine.rope)
     torch.testing.assert_close(s.last_logits, ref.replay(s.history)[-1], atol=5e-5, rtol=1e-4)
+
+
+def test_per_layer_selection_keeps_one_set_per_layer_on_the_heads_averaged_scores(engine):
+    """Per layer: every KV head of a layer keeps the top-B of the layer's mean scores (computed here from the per-head
+    scores of the same state before the eviction), and layers disagree, so the union exceeds B."""
+    rng = torch.Generator().manual_seed(2)
+    prompt = tokens(40, rng)
+    probe = engine.session("tova", budget=100, chunk=40, per_head=True, sinks=0, recent=0)  # scores, no eviction
+    probe.append(prompt)
+    layer_scores = probe.table.field("head_score").view(40, engine.n_layers, engine.n_kv_heads).mean(dim=2)
+    s = engine.session("tova", budget=12, chunk=40, per_layer=True, sinks=0, recent=0)
+    s.append(prompt)
+    alive = s.table.field("head_alive").view(s.table.n, engine.n_layers, engine.n_kv_heads)
+    logical = s.resident_logical()
+    for layer in range(engine.n_layers):
+        expected = set(torch.topk(layer_scores[:, layer], 12).indices.tolist())
+        assert set(logical[alive[:, layer, 0]].tolist()) == expected
+    assert s.resident > 12 and bool((alive == alive[:, :, :1]).all())
+    ref = ReferenceSession.with_rope(engine.model, engine.rope)
+    torch.testing.assert_close(s.append(tokens(3, rng)), ref.replay(s.history)[-1], atol=5e-5, rtol=1e-4)
+    with pytest.raises(CacheOpError, match="per_head=True"):
+        Session(engine, SessionConfig(policy=get_policy("tova"), budget=8, per_layer=True))
 
 
 def test_what_per_head_selection_refuses(engine):

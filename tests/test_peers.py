@@ -38,8 +38,8 @@ def test_bench_peers_side_by_side_on_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative --workdir: RULER's generator runs inside it
     res = CliRunner().invoke(app, ["bench", "peers", "--model", "smollm2", "--tasks", "niah_single_1", "--samples",
                                    "1", "--length", "512", "--ratios", "0.5", "--presses", "streaming,snapkv",
-                                   "--policies", "streaming,snapkv,snapkv-heads", "--max-new-tokens", "12",
-                                   "--workdir", "work", "--json"])
+                                   "--policies", "streaming,snapkv,snapkv-heads,tova-layers", "--max-new-tokens",
+                                   "12", "--workdir", "work", "--json"])
     assert res.exit_code == 0, (res.stderr[-2000:], res.exception)
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["workload"]["versions"]["kvpress"] and r["workload"]["versions"]["transformers"].startswith("5.2")
@@ -56,5 +56,7 @@ def test_bench_peers_side_by_side_on_the_embedded_model(tmp_path, monkeypatch):
     heads = rows[("engine", "snapkv-heads", 0.5)]
     assert heads["kept"] == kept_tokens(int(n), 0.5) < heads["resident"] and rows[("engine", "snapkv", 0.5)][
         "resident"] == kept_tokens(int(n), 0.5)
+    layers = rows[("engine", "tova-layers", 0.5)]  # per layer: each layer keeps as many; resident is their union
+    assert layers["kept"] == kept_tokens(int(n), 0.5) <= layers["resident"]
     assert {m for m, *_ in table_rows(r)} >= {"kvpress: snapkv", "engine: snapkv", "engine: full (uncompressed)"}
     assert (tmp_path / "work" / "niah_single_1" / "validation.jsonl").exists()  # RULER's generator wrote the prompts

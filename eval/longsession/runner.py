@@ -109,10 +109,10 @@ def _ledger(s: EngineSession, needed: list[tuple[int, int]]) -> dict:
     wanted = torch.tensor(sorted({i for a, b in needed for i in range(a, b)}), dtype=torch.long)
     logical, positions = s.resident_logical(), s.resident_positions()
     hit = torch.isin(logical, wanted)
+    point = resident_point(s)
+    del point["tokens"]
     return {"residency": scoring.residency(set(wanted.tolist()), set(logical[hit].tolist())),
-            "rotary_gap": scoring.rotary_gap(s.next_pos, positions[hit].tolist()),
-            "resident": s.resident, "kv_bytes": s.table.kv_bytes(), "ref_bytes": s.table.ref_bytes(),
-            "max_position": int(positions.max()) if positions.numel() else 0,
+            "rotary_gap": scoring.rotary_gap(s.next_pos, positions[hit].tolist()), **point,
             "refreshes": s.refreshes, "refresh_tokens": s.refresh_tokens}
 
 

@@ -4,15 +4,16 @@ same RULER prompts (the same token ids), in one run.
 Protocol (kvpress's pipeline, both sides): the context is prefilled and compressed once to `int(n * (1 - ratio))`
 tokens, then the question (with RULER's answer prefix) is appended and the answer decoded greedily with nothing more
 evicted. kvpress runs in its own virtualenv (`eval/peers/kvpress_side.py`, transformers < 5.3); it also writes the
-exact ids its pipeline built, and the engine replays those. Selection: kvpress selects per layer and KV head (each
-head keeps its own tokens); the engine either one set of tokens for all layers and heads (`snapkv`, ...) or per
-layer and KV head too (`snapkv-heads`, ...: `SessionConfig.per_head`, masked per head). Differences that stay:
-kvpress's SnapKV uses a 64-token window and average pooling, the engine's a 32-token window and max pooling; the
-engine protects 4 sinks and the 64 most recent tokens in every policy but streaming's (sinks + recent window only),
-kvpress only SnapKV's window and StreamingLLM's sinks. Pairs: snapkv ↔ SnapKVPress, tova ↔ TOVAPress, streaming ↔
-StreamingLLMPress, h2o ↔ ObservedAttentionPress (attention received, summed vs averaged over queries); KnormPress
-has no engine counterpart. KVzap is not run: its scorer is a surrogate trained per model (kvpress's `kvzap/train.py`
-on a dataset from the Hub), and none exists for SmolLM2."""
+exact ids its pipeline built, and the engine replays those. Selection: kvpress's scorer presses select per layer and
+KV head (each head keeps its own tokens), TOVA per layer (its scores averaged over the layer's heads); the engine
+selects one set of tokens for all layers and heads (`snapkv`, ...), per layer and KV head (`snapkv-heads`, ...:
+`SessionConfig.per_head`, masked per head) or per layer (`tova-layers`, ...: `SessionConfig.per_layer`).
+Differences that stay: kvpress's SnapKV uses a 64-token window and average pooling, the engine's a 32-token window
+and max pooling; the engine protects 4 sinks and the 64 most recent tokens in every policy but streaming's (sinks +
+recent window only), kvpress only SnapKV's window and StreamingLLM's sinks. Pairs: snapkv ↔ SnapKVPress, tova ↔
+TOVAPress, streaming ↔ StreamingLLMPress, h2o ↔ ObservedAttentionPress (attention received, summed vs averaged over
+queries); KnormPress has no engine counterpart. KVzap is not run: its scorer is a surrogate trained per model
+(kvpress's `kvzap/train.py` on a dataset from the Hub), and none exists for SmolLM2."""
 
 from __future__ import annotations
 
@@ -30,11 +31,14 @@ from kvsteward.paths import side_python
 
 PRESSES = ("snapkv", "tova", "streaming", "observed", "knorm")
 # `-heads`: the engine's per-head selection (`SessionConfig.per_head`: each layer and KV head keeps its own top-B,
-# as kvpress's presses do); the plain names select one set of tokens for all layers and heads
-POLICIES = ("snapkv", "tova", "streaming", "h2o", "snapkv-heads", "tova-heads", "h2o-heads")
+# as kvpress's scorer presses do); `-layers`: per layer on the heads' averaged scores (`SessionConfig.per_layer`, as
+# kvpress's TOVA does); the plain names select one set of tokens for all layers and heads
+POLICIES = ("snapkv", "tova", "streaming", "h2o", "snapkv-heads", "tova-heads", "h2o-heads", "snapkv-layers",
+            "tova-layers", "h2o-layers")
 PAIRS = {"snapkv": "snapkv", "tova": "tova", "streaming": "streaming", "h2o": "observed",
-         "snapkv-heads": "snapkv", "tova-heads": "tova", "h2o-heads": "observed"}
-HEADS = "-heads"
+         "snapkv-heads": "snapkv", "tova-heads": "tova", "h2o-heads": "observed",
+         "snapkv-layers": "snapkv", "tova-layers": "tova", "h2o-layers": "observed"}
+HEADS, LAYERS = "-heads", "-layers"
 Progress = Callable[[str], None]
 
 
@@ -52,7 +56,7 @@ def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: 
                max_new_tokens: int, progress: Progress | None = None) -> list[dict]:
     """The engine's policies on the prompts kvpress built: [{"task", "policy", "ratio", "answer", "kept",
     "resident", "wall_s"}]; `full` is the uncompressed cache. `kept` is per head (what every head keeps: with
-    per-head selection, `-heads`, the slots resident are their union, `resident`)."""
+    per-head or per-layer selection, `-heads` / `-layers`, the slots resident are their union, `resident`)."""
     tok = engine.tokenizer
     stop = tuple(i for i in [tok.eos_token_id] if i is not None)
     rows = []
@@ -61,15 +65,16 @@ def run_engine(engine, ids: dict[str, dict], policies: tuple[str, ...], ratios: 
         for name in ("full", *policies):
             for ratio in (ratios if name != "full" else (0.0,)):
                 t0 = time.perf_counter()
-                per_head = name.endswith(HEADS)
+                per_head, per_layer = name.endswith(HEADS), name.endswith(LAYERS)
                 if name == "full":
                     s = engine.session("full", chunk=len(ctx))
                 else:
-                    s = engine.session(name.removesuffix(HEADS), budget=kept_tokens(len(ctx), ratio), chunk=len(ctx),
-                                       per_head=per_head)
+                    s = engine.session(name.removesuffix(HEADS).removesuffix(LAYERS),
+                                       budget=kept_tokens(len(ctx), ratio), chunk=len(ctx), per_head=per_head,
+                                       per_layer=per_layer)
                 s.append(ctx, kind="user")
                 resident = s.table.n
-                kept = int(s.table.field("head_alive").sum(dim=0).max()) if per_head else resident
+                kept = int(s.table.field("head_alive").sum(dim=0).max()) if per_head or per_layer else resident
                 s.set_budget(None)  # compress once, as kvpress does: nothing is evicted after the context
                 s.append(q, kind="user", continue_message=True)
                 out = s.generate(max_new_tokens, stop_ids=stop)

@@ -8,7 +8,15 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from kvsteward.serve.engine.blueprint import PlannedSpan, parse_blueprint
-from kvsteward.serve.engine.policies import ARMS, POLICIES, REFRESH_ARMS, TAIL_REFRESH_ARMS, TIERED_ARMS, get_policy
+from kvsteward.serve.engine.policies import (
+    ARMS,
+    PLAN_ONLY_REFRESH_ARMS,
+    POLICIES,
+    REFRESH_ARMS,
+    TAIL_REFRESH_ARMS,
+    TIERED_ARMS,
+    get_policy,
+)
 from kvsteward.serve.engine.session import Session, SessionConfig
 from kvsteward.serve.engine.spill import SpillStore, host_store
 
@@ -121,13 +129,15 @@ class Engine:
                    meta["close_bias"], meta["min_confidence"])
 
     def session(self, policy: str = "full", budget: int | None = None, chunk: int = 512, limit: int | None = None,
-                blueprint: str | list | None = None, per_head: bool = False, **policy_overrides) -> Session:
+                blueprint: str | list | None = None, per_head: bool = False, per_layer: bool = False,
+                **policy_overrides) -> Session:
         """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
         (positions-only, retention-only, pace, pace-tiered, pace-refresh: the arm fixes the position mode; bounded arms
         need `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them; pace-refresh
         re-encodes the resident tokens when a step that reads a planned span opens; pace-refresh-tail only those past
         the fresh prefix). `per_head`: each (layer, KV head) keeps its own top-B slots by its own attention scores
-        (the shared selection step run per head; `SessionConfig.per_head`)."""
+        (the shared selection step run per head; `SessionConfig.per_head`); `per_layer`: each layer keeps its own
+        top-B by its KV heads' averaged scores (`SessionConfig.per_layer`, on the per-head table)."""
         name = policy
         if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]
@@ -144,7 +154,9 @@ class Engine:
             spans = parse_blueprint(blueprint)
         cfg = SessionConfig(policy=pol, budget=budget if pol.evicts else None, chunk=chunk, limit=limit,
                             blueprint=spans, spill=self.spill if policy in TIERED_ARMS else None,
-                            refresh=policy in REFRESH_ARMS, refresh_tail=policy in TAIL_REFRESH_ARMS, per_head=per_head)
+                            refresh=policy in REFRESH_ARMS, refresh_tail=policy in TAIL_REFRESH_ARMS,
+                            refresh_plan_only=policy in PLAN_ONLY_REFRESH_ARMS, per_head=per_head or per_layer,
+                            per_layer=per_layer)
         return Session(self, cfg)
 
     def kv_bytes_per_token(self) -> int:

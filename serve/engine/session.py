@@ -60,9 +60,15 @@ class SessionConfig:
     refresh: bool = False  # refresh the resident K/V when a step that reads a planned span opens (pace-refresh;
     # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
     refresh_tail: bool = False  # those refreshes keep the fresh prefix and re-encode the rest (pace-refresh-tail)
+    # those refreshes first drop every resident token outside the plan and the first message (the system prompt), so
+    # that the planned text sits right before the reader step (pace-refresh-plan)
+    refresh_plan_only: bool = False
     # each (layer, KV head) keeps its own top-B slots by its own attention scores (kvpress's per-head selection):
     # up to B slots per head, resident while any head keeps them; positions and re-rotation stay per slot
     per_head: bool = False
+    # with per_head: the KV heads of a layer share one selection on their averaged scores (kvpress's per-layer
+    # presses, e.g. TOVA): up to B slots per layer
+    per_layer: bool = False
 
     def validate(self) -> None:
         if self.chunk < 1:
@@ -73,6 +79,8 @@ class SessionConfig:
             raise CacheOpError(f"budget must be >= 1, got {self.budget}")
         if self.spill is not None and not self.policy.evicts:
             raise CacheOpError("a spill store needs an evicting policy: nothing is ever evicted to rehydrate")
+        if self.per_layer and not self.per_head:
+            raise CacheOpError("per-layer selection runs on the per-head table: give per_head=True as well")
         if self.per_head:
             if self.policy.score_mode == "none":
                 raise CacheOpError(f"per-head selection needs a policy that scores by attention (h2o, snapkv, tova, "
@@ -172,6 +180,8 @@ class Session:
             if self.config.spill is not None:
                 self._rehydrate_for(self.n_messages)  # before the step opens: a failed fetch changes nothing
             if self.config.refresh and self.table.n and self._reads_plan(self.n_messages):
+                if self.config.refresh_plan_only:
+                    self.drop(self._unplanned(self.n_messages))
                 self._refresh({"op": "refresh", "reader": self.n_messages}, tail=self.config.refresh_tail)
             self.current_step = self.n_messages
             self.n_messages += 1
@@ -292,6 +302,13 @@ class Session:
         gone = torch.nonzero(~kept).view(-1)
         if gone.numel():
             self.fresh_rows = min(self.fresh_rows, int(gone[0]))
+
+    def _unplanned(self, step: int) -> list[int]:
+        """The resident tokens a plan-only refresh at `step`'s opening drops: all but those planned for `step` or
+        later and the first message's. Empty when that would leave nothing (a refresh needs something to encode)."""
+        logical = self.table.field("logical")
+        cut = (self.table.field("step") != 0) & ~self._planned_mask(logical, step)
+        return [] if bool(cut.all()) else logical[cut].tolist()
 
     def _reads_plan(self, step: int) -> bool:
         return any(step in span.readers for span in self.config.blueprint)
@@ -414,10 +431,14 @@ class Session:
         policy, t = self.config.policy, self.table
         alive, scores = t.field("head_alive"), t.field("head_score")
         kept = torch.zeros_like(alive)
-        for h in range(alive.shape[1]):
-            hv = dataclasses.replace(view, cumulative=scores[:, h], window=scores[:, h])
-            s = policy.score(hv).masked_fill(~alive[:, h], float("-inf"))
-            kept[select_keep(s, hv, policy, budget), h] = True
+        group = self.engine.n_kv_heads if self.config.per_layer else 1  # the columns that share one selection
+        for g in range(0, alive.shape[1], group):
+            cols = slice(g, g + group)
+            score = scores[:, cols].mean(dim=1)
+            hv = dataclasses.replace(view, cumulative=score, window=score)
+            s = policy.score(hv).masked_fill(~alive[:, cols].any(dim=1), float("-inf"))
+            kept[select_keep(s, hv, policy, budget), cols] = True
+        kept &= alive  # (a layer's heads hide alike, so a column it keeps is alive in every head of the layer)
         let_go = alive & ~kept
         hidden = torch.nonzero(let_go)
         if hidden.numel() == 0:
