@@ -150,13 +150,14 @@ def test_pace_refresh_refreshes_when_a_reader_step_opens(engine):
 
 
 def test_pace_refresh_plan_drops_everything_unplanned_before_it_refreshes(engine):
-    """At a reader step's opening, pace-refresh-plan drops every resident token outside the plan and the first
-    message, then refreshes: the re-encoded text is the system prompt and the plan, right before the reader step.
-    Checked against the session's own state before the opening, pace-refresh on the same messages (no drop, the same
-    state before), a new session of what stays, and the reference replay."""
-    sizes = [6, 13, 3, 9, 5, 7]
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    plan = [{"span": [starts[1], starts[1] + 5], "readers": [4]}]  # the head of message 1
+    """At a reader step's opening, pace-refresh-plan drops every resident token outside the plan, the reader steps'
+    messages and the first message, then refreshes: the re-encoded text is the system prompt, the plan and the
+    questions that read it, right before the reader step. Checked against the session's own state before the
+    opening, pace-refresh on the same messages (no drop, the same state before), a new session of what stays, and
+    the reference replay."""
+    sizes = [6, 13, 3, 9, 5, 3, 2]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))] + [sum(sizes)]
+    plan = [{"span": [starts[1], starts[1] + 5], "readers": [4, 5]}]  # the head of message 1, read by steps 4 and 5
     s = engine.session("pace-refresh-plan", budget=20, chunk=8, limit=64, blueprint=plan, recent=4, sinks=6)
     plain = engine.session("pace-refresh", budget=20, chunk=8, limit=64, blueprint=plan, recent=4, sinks=6)
     for k in range(4):
@@ -164,18 +165,21 @@ def test_pace_refresh_plan_drops_everything_unplanned_before_it_refreshes(engine
             x.append(rand_tokens(sizes[k], seed=k), kind="tool" if k % 2 else "user", logits=None)
     before = s.resident_logical().tolist()
     assert before == plain.resident_logical().tolist()
-    keep = [i for i in before if i < starts[1] or starts[1] <= i < starts[1] + 5]
-    assert set(range(starts[1] + 5)) <= set(before) and len(keep) < len(before)  # message 0 (sinks) and the plan
-    s.append(rand_tokens(sizes[4], seed=4), logits="last")
-    plain.append(rand_tokens(sizes[4], seed=4), logits=None)
-    at = next(j for j, op in enumerate(s.history) if op["op"] == "refresh")
-    assert s.history[at - 1] == {"op": "drop", "indices": sorted(set(before) - set(keep))}
-    assert s.resident_logical().tolist() == keep + list(range(starts[4], starts[5]))
-    assert plain.refreshes == 1 and "drop" not in {op["op"] for op in plain.history}
+    keep = [i for i in before if i < starts[1] + 5]  # message 0 (sinks) and the plan
+    assert set(range(starts[1] + 5)) <= set(before) and len(keep) < len(before)
+    for k in (4, 5):
+        s.append(rand_tokens(sizes[k], seed=k), logits="last")
+        plain.append(rand_tokens(sizes[k], seed=k), logits=None)
+    refreshes = [j for j, op in enumerate(s.history) if op["op"] == "refresh"]
+    dropped = sorted(set(before) - set(keep))
+    assert len(refreshes) == 2 and s.history[refreshes[0] - 1] == {"op": "drop", "indices": dropped}
+    assert s.history[refreshes[1] - 1]["op"] != "drop"  # at step 5 nothing is unplanned: step 4 is a reader
+    assert s.resident_logical().tolist() == keep + list(range(starts[4], starts[6]))
+    assert plain.refreshes == 2 and "drop" not in {op["op"] for op in plain.history}
     fresh = engine.session("full", chunk=8)
     fresh.append([s.tokens[i] for i in keep] + s.tokens[starts[4]:], logits="last")
     torch.testing.assert_close(s.last_logits, fresh.last_logits, atol=5e-5, rtol=1e-4)
-    s.append(rand_tokens(sizes[5], seed=5), logits=None)
+    s.append(rand_tokens(sizes[6], seed=6), logits=None)
     ref = ReferenceSession(engine.model, engine.rope.inv_freq, engine.rope.layout)
     torch.testing.assert_close(ref.replay(s.history)[-1], s.last_logits, atol=5e-5, rtol=1e-4)
 

@@ -125,8 +125,8 @@ ARMS: dict[str, tuple[str, bool]] = {
     # text, not the scattered heavy hitters h2o keeps (docs/results/2026-12-05-pace-refresh-misses)
     "pace-refresh": ("foresight-recent", True),
     "pace-refresh-tail": ("foresight-recent", True),
-    # the same, and each refresh first drops everything unplanned but the first message: it re-encodes the system
-    # prompt and the plan, which then sit right before the reader step (docs/results/2026-12-05-pace-refresh-plan)
+    # the same, and each refresh first drops everything outside the plan, its readers' messages and the first message:
+    # the planned text then sits right before the reader step (docs/results/2026-12-05-pace-refresh-plan)
     "pace-refresh-plan": ("foresight-recent", True),
     "pace-refresh-h2o": ("foresight", True),  # the refresh over pace's own resident set (studies up to 2026-12-05)
 }
@@ -136,7 +136,7 @@ TIERED_ARMS = frozenset({"pace-tiered"})
 REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail", "pace-refresh-plan", "pace-refresh-h2o"})
 # Of those, the arms whose refresh keeps the fresh prefix (rows no eviction before them touched), re-encodes the rest.
 TAIL_REFRESH_ARMS = frozenset({"pace-refresh-tail"})
-# Of those, the arms whose refresh first drops every unplanned token but the first message's.
+# Of those, the arms whose refresh first drops every token outside the plan, its readers and the first message.
 PLAN_ONLY_REFRESH_ARMS = frozenset({"pace-refresh-plan"})
 
 

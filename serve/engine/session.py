@@ -60,8 +60,8 @@ class SessionConfig:
     refresh: bool = False  # refresh the resident K/V when a step that reads a planned span opens (pace-refresh;
     # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
     refresh_tail: bool = False  # those refreshes keep the fresh prefix and re-encode the rest (pace-refresh-tail)
-    # those refreshes first drop every resident token outside the plan and the first message (the system prompt), so
-    # that the planned text sits right before the reader step (pace-refresh-plan)
+    # those refreshes first drop every resident token outside the plan, its reader steps' messages and the first
+    # message (the system prompt), so that the planned text sits right before the reader step (pace-refresh-plan)
     refresh_plan_only: bool = False
     # each (layer, KV head) keeps its own top-B slots by its own attention scores (kvpress's per-head selection):
     # up to B slots per head, resident while any head keeps them; positions and re-rotation stay per slot
@@ -304,10 +304,12 @@ class Session:
             self.fresh_rows = min(self.fresh_rows, int(gone[0]))
 
     def _unplanned(self, step: int) -> list[int]:
-        """The resident tokens a plan-only refresh at `step`'s opening drops: all but those planned for `step` or
-        later and the first message's. Empty when that would leave nothing (a refresh needs something to encode)."""
-        logical = self.table.field("logical")
-        cut = (self.table.field("step") != 0) & ~self._planned_mask(logical, step)
+        """The resident tokens a plan-only refresh at `step`'s opening drops: all but the spans planned for `step` or
+        later, the messages of reader steps (the questions that read the plan, and their answers) and the first
+        message. Empty when that would leave nothing (a refresh needs something to encode)."""
+        logical, steps = self.table.field("logical"), self.table.field("step")
+        readers = torch.tensor(sorted({r for span in self.config.blueprint for r in span.readers}), dtype=steps.dtype)
+        cut = (steps != 0) & ~torch.isin(steps, readers) & ~self._planned_mask(logical, step)
         return [] if bool(cut.all()) else logical[cut].tolist()
 
     def _reads_plan(self, step: int) -> bool:
