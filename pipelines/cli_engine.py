@@ -93,7 +93,7 @@ def overhead(model: str = typer.Option("smollm2", help=MODEL_HELP),
     _emit(checks.bench_overhead(eng, tokens, budget, chunk, limit, progress=_progress), as_json)
 
 
-FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "pace-refresh-tail", "pace-refresh-plan",
+FORESIGHT_ARMS = ("pace", "pace-tiered", "pace-refresh", "pace-refresh-tail", "pace-refresh-window",
                   "pace-refresh-h2o", "retention-only", "foresight", "foresight-recent")
 
 

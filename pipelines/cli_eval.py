@@ -54,7 +54,7 @@ def longsession(model: str = typer.Option("smollm2", help="`smollm2`, a local HF
                 arms: str = typer.Option("h2o,retention-only,positions-only,pace",
                                          help="comma-separated arms: full, streaming, h2o, snapkv, tova, "
                                               "positions-only, retention-only, pace, pace-tiered, pace-refresh, "
-                                              "pace-refresh-tail, pace-refresh-plan, "
+                                              "pace-refresh-tail, pace-refresh-window, "
                                               "pace-refresh-h2o, akv-rolling"),
                 length: int = typer.Option(16384, help="session length in tokens (context before the probes)"),
                 distances: str = typer.Option("1024,8192,15000", help="definition → probe distances in tokens"),

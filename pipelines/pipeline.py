@@ -334,7 +334,7 @@ def _model_estimate(st: Stage, cfg: PipelineConfig) -> float:
     if st.name == "longsession":  # s per 1K tokens of session and arm (3 fact probes + a 96-token recall each)
         kt = p["length"] / 1024
         per_kt = {"full": 20.0, "pace": 18.0, "retention-only": 18.0, "pace-refresh": 75.0, "pace-refresh-tail": 75.0,
-                  "pace-refresh-plan": 75.0, "pace-refresh-h2o": 75.0}
+                  "pace-refresh-window": 75.0, "pace-refresh-h2o": 75.0}
         arms = [a for a in p["arms"].split(",") if a]
         return LOAD_S + p["sessions"] * len(_ints(p["distances"])) * sum(per_kt.get(a, 40.0) * kt + 4 for a in arms)
     if st.name == "residency":

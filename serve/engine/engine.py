@@ -133,11 +133,13 @@ class Engine:
                 **policy_overrides) -> Session:
         """A new session. `policy` is a policy name (positions bounded iff `limit` is given) or a named arm
         (positions-only, retention-only, pace, pace-tiered, pace-refresh: the arm fixes the position mode; bounded arms
-        need `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them; pace-refresh
-        re-encodes the resident tokens when a step that reads a planned span opens; pace-refresh-tail only those past
-        the fresh prefix). `per_head`: each (layer, KV head) keeps its own top-B slots by its own attention scores
-        (the shared selection step run per head; `SessionConfig.per_head`); `per_layer`: each layer keeps its own
-        top-B by its KV heads' averaged scores (`SessionConfig.per_layer`, on the per-head table)."""
+        need `limit`; pace-tiered also keeps evicted planned spans in `self.spill` and rehydrates them; pace-refresh,
+        when a step that reads a planned span opens, drops what is outside the plan, its readers and the first message
+        and re-encodes the rest; pace-refresh-tail re-encodes only past the fresh prefix; pace-refresh-window keeps the
+        recent window and re-encodes it with the plan). `per_head`: each (layer, KV head) keeps its own top-B slots by
+        its own attention scores (the shared selection step run per head; `SessionConfig.per_head`); `per_layer`: each
+        layer keeps its own top-B by its KV heads' averaged scores (`SessionConfig.per_layer`, on the per-head
+        table)."""
         name = policy
         if policy in ARMS and policy not in POLICIES:  # a named arm = a policy + a position mode
             name, bounded = ARMS[policy]

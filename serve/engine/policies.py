@@ -122,22 +122,22 @@ ARMS: dict[str, tuple[str, bool]] = {
     "pace": ("foresight", True),
     "pace-tiered": ("foresight", True),
     # the refresh arms keep the plan plus one recent window (foresight-recent): what a refresh re-encodes is then
-    # text, not the scattered heavy hitters h2o keeps (docs/results/2026-12-05-pace-refresh-misses)
+    # text, not the scattered heavy hitters h2o keeps (docs/results/2026-12-05-pace-refresh-misses); pace-refresh and
+    # pace-refresh-tail first drop everything outside the plan, its readers' messages and the first message, so the
+    # planned text sits right before the reader step (docs/results/2026-12-05-pace-refresh-plan)
     "pace-refresh": ("foresight-recent", True),
     "pace-refresh-tail": ("foresight-recent", True),
-    # the same, and each refresh first drops everything outside the plan, its readers' messages and the first message:
-    # the planned text then sits right before the reader step (docs/results/2026-12-05-pace-refresh-plan)
-    "pace-refresh-plan": ("foresight-recent", True),
+    "pace-refresh-window": ("foresight-recent", True),  # the refresh over the plan and the recent window, no drop
     "pace-refresh-h2o": ("foresight", True),  # the refresh over pace's own resident set (studies up to 2026-12-05)
 }
 # Arms whose evicted planned spans go to a storage tier and are rehydrated when their reader step opens.
 TIERED_ARMS = frozenset({"pace-tiered"})
 # Arms that re-encode their resident tokens afresh (`Session.refresh`) when a step that reads a planned span opens.
-REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail", "pace-refresh-plan", "pace-refresh-h2o"})
+REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail", "pace-refresh-window", "pace-refresh-h2o"})
 # Of those, the arms whose refresh keeps the fresh prefix (rows no eviction before them touched), re-encodes the rest.
 TAIL_REFRESH_ARMS = frozenset({"pace-refresh-tail"})
 # Of those, the arms whose refresh first drops every token outside the plan, its readers and the first message.
-PLAN_ONLY_REFRESH_ARMS = frozenset({"pace-refresh-plan"})
+PLAN_ONLY_REFRESH_ARMS = frozenset({"pace-refresh", "pace-refresh-tail"})
 
 
 def get_policy(name: str, **overrides) -> Policy:

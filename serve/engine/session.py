@@ -61,7 +61,7 @@ class SessionConfig:
     # with no blueprint nothing is planned and it never refreshes, as pace without one is h2o with bounded positions)
     refresh_tail: bool = False  # those refreshes keep the fresh prefix and re-encode the rest (pace-refresh-tail)
     # those refreshes first drop every resident token outside the plan, its reader steps' messages and the first
-    # message (the system prompt), so that the planned text sits right before the reader step (pace-refresh-plan)
+    # message (the system prompt), so that the planned text sits right before the reader step (pace-refresh)
     refresh_plan_only: bool = False
     # each (layer, KV head) keeps its own top-B slots by its own attention scores (kvpress's per-head selection):
     # up to B slots per head, resident while any head keeps them; positions and re-rotation stay per slot
