@@ -9,7 +9,9 @@ Operations (each appended to `history`, which is the state's identity — AKV Fi
 - `refresh()`: the resident tokens are encoded afresh, in logical order at positions 0..r-1 (chunk H, no eviction):
   every K and V becomes what a new session holding only those tokens would compute; what evicted or dropped tokens
   had contributed to them is gone. Metadata (logical index, step, scores) is kept; next at r. With `refresh` set in
-  the config (the `pace-refresh` arm), the session refreshes itself when a step that reads a planned span opens.
+  the config (the `pace-refresh` arm), the session refreshes itself when a step that reads a planned span opens,
+  unless every resident row is still fresh at 0..r-1 with the next position r (an untouched table since the last
+  refresh: the refresh would compute the same K/V to rounding).
   With `refresh_tail` as well (`pace-refresh-tail`), it re-encodes only the rows past the fresh prefix: the leading
   resident rows that no eviction, drop or rehydration before them has touched since they were encoded are already what
   a new session computes (causal attention: a row's K/V depend only on the rows before it), so they stay.
@@ -182,7 +184,8 @@ class Session:
             if self.config.refresh and self.table.n and self._reads_plan(self.n_messages):
                 if self.config.refresh_plan_only:
                     self.drop(self._unplanned(self.n_messages))
-                self._refresh({"op": "refresh", "reader": self.n_messages}, tail=self.config.refresh_tail)
+                if self.fresh_rows < self.table.n or self.next_pos != self.table.n:  # else already what it computes
+                    self._refresh({"op": "refresh", "reader": self.n_messages}, tail=self.config.refresh_tail)
             self.current_step = self.n_messages
             self.n_messages += 1
             if kind == "tool":
